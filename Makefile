@@ -1,0 +1,41 @@
+# hpctrain: `make demo` runs the main job end to end, `make test` runs the whole suite.
+# Both install what is missing on a fresh Debian machine (apt packages, .venv, the project).
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HPCTRAIN := $(VENV)/bin/hpctrain
+TORCH_VERSION ?= 2.13.0
+APT_PACKAGES := openmpi-bin libopenmpi-dev
+export OMPI_ALLOW_RUN_AS_ROOT ?= 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
+
+.PHONY: demo test deps venv clean
+
+deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+$(VENV)/.installed: pyproject.toml | deps
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: deps $(VENV)/.installed
+
+demo: venv
+	rm -rf demo/data demo/run
+	$(HPCTRAIN) shard digits demo/data --shards 2
+	$(HPCTRAIN) launch -n 2 -- train --data demo/data --run-dir demo/run --epochs 20
+	@echo "summary: demo/run/summary.json"
+
+test: venv
+	$(PY) -m pytest -q -ra tests
+
+clean:
+	rm -rf demo $(VENV)

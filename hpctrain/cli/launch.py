@@ -1,0 +1,23 @@
+"""`hpctrain launch`: local mpirun with the right flags."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .common import handle_errors
+
+
+@handle_errors
+def launch(
+    command: Annotated[list[str], typer.Argument(help="An hpctrain subcommand (train ...) or any program.")],
+    n: Annotated[int, typer.Option("-n", "--np", help="Number of ranks.")] = 2,
+) -> None:
+    """Run COMMAND on N local ranks through mpirun (root, oversubscription and signals handled).
+
+    Example: hpctrain launch -n 2 -- train --data data/ --run-dir runs/a
+    """
+    from ..launch import launch as run
+
+    raise typer.Exit(run(n, command))

@@ -1,0 +1,26 @@
+"""The `hpctrain` application: registers the command groups."""
+
+from __future__ import annotations
+
+import typer
+
+from . import container, doctor, launch, shard, train
+
+app = typer.Typer(
+    name="hpctrain",
+    help="Data-parallel PyTorch training over MPI, from a laptop to a Slurm supercomputer.\n\n"
+    "Example: hpctrain shard digits data/ --shards 2 && hpctrain launch -n 2 -- train --data data/ --run-dir runs/a",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=True,
+)
+app.command()(shard.shard)
+app.command()(shard.verify)
+app.command()(train.train)
+app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(launch.launch)
+app.command()(doctor.doctor)
+app.add_typer(container.app, name="container")
+
+
+def main() -> None:
+    app(prog_name="hpctrain")

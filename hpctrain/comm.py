@@ -1,0 +1,458 @@
+"""The communication layer: the only module that imports mpi4py.
+
+It owns MPI start-up (lazily, so `import hpctrain` never initializes MPI), the small collectives the
+trainer needs (broadcast of the initial state, scalar reductions, gathers) and gradient synchronization
+(`GradSync`): gradients live in flat, contiguous buckets, each parameter's `.grad` is a view into its
+bucket, and a bucket's allreduce runs on a dedicated communication thread as soon as all of its gradients
+are ready, so communication overlaps the rest of backward and no gradient memory is copied.
+
+The communicator is always passed in; `world()` gives COMM_WORLD and works in one process with no launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .errors import CommError, ConfigError
+
+_MPI: Any = None
+
+
+def _mpi() -> Any:
+    """Import mpi4py on first use, asking for MPI_THREAD_MULTIPLE (the comm thread calls MPI)."""
+    global _MPI
+    if _MPI is None:
+        try:
+            import mpi4py
+
+            mpi4py.rc.thread_level = "multiple"
+            from mpi4py import MPI
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise CommError(
+                f"cannot import mpi4py ({exc}); install an MPI library (apt-get install openmpi-bin "
+                "libopenmpi-dev) and then `pip install 'mpi4py>=4'`"
+            ) from exc
+        _MPI = MPI
+    return _MPI
+
+
+class Comm:
+    """A thin wrapper around one mpi4py communicator with the collectives hpctrain uses."""
+
+    def __init__(self, mpi_comm: Any):
+        self.mpi = mpi_comm
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+
+    # -- small collectives -------------------------------------------------------------------------
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.mpi.Barrier()
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a picklable object from `root`."""
+        if self.size == 1:
+            return obj
+        return self.mpi.bcast(obj, root=root)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        return self.mpi.allgather(obj)
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        if self.size == 1:
+            return [obj]
+        return self.mpi.gather(obj, root=root)
+
+    def allreduce_array(self, values: Sequence[float] | np.ndarray, op: str = "sum") -> np.ndarray:
+        """Reduce a small float64 vector over all ranks (op: sum, max or min)."""
+        buf = np.ascontiguousarray(values, dtype=np.float64).copy()
+        if self.size > 1:
+            MPI = _mpi()
+            self.mpi.Allreduce(MPI.IN_PLACE, buf, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+        return buf
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on at least one rank."""
+        if self.size == 1:
+            return bool(flag)
+        return bool(self.allreduce_array([1.0 if flag else 0.0], op="max")[0])
+
+    def broadcast_tensors(self, tensors: Iterable[Any], root: int = 0) -> None:
+        """Broadcast CPU tensors in place from `root` (parameters and buffers at start-up)."""
+        if self.size == 1:
+            return
+        for tensor in tensors:
+            if tensor.is_cuda:
+                host = tensor.detach().cpu()
+                self.mpi.Bcast(host.numpy(), root=root)
+                tensor.data.copy_(host)
+            elif tensor.is_contiguous():
+                self.mpi.Bcast(tensor.detach().numpy(), root=root)
+            else:
+                host = tensor.detach().contiguous()
+                self.mpi.Bcast(host.numpy(), root=root)
+                tensor.data.copy_(host)
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job now (used when one rank cannot go on and the others would hang)."""
+        self.mpi.Abort(code)
+
+
+def world() -> Comm:
+    """COMM_WORLD, initializing MPI on first call; a single process with no launcher is a world of one."""
+    MPI = _mpi()
+    return Comm(MPI.COMM_WORLD)
+
+
+def self_comm() -> Comm:
+    """COMM_SELF: a world of one even under a launcher."""
+    return Comm(_mpi().COMM_SELF)
+
+
+@dataclass(frozen=True, slots=True)
+class MpiInfo:
+    """What `doctor` and the start-up log say about the MPI in use."""
+
+    library: str
+    mpi_version: str
+    mpi4py_version: str
+    thread_level: str
+    cuda_aware: bool | None
+
+
+def mpi_info() -> MpiInfo:
+    """Describe the MPI library, the thread level it provides and whether it is CUDA-aware."""
+    MPI = _mpi()
+    import mpi4py
+
+    levels = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
+    major, minor = MPI.Get_version()
+    return MpiInfo(
+        library=MPI.Get_library_version().strip().splitlines()[0].rstrip(","),
+        mpi_version=f"{major}.{minor}",
+        mpi4py_version=mpi4py.__version__,
+        thread_level=levels.get(MPI.Query_thread(), "unknown"),
+        cuda_aware=cuda_aware(),
+    )
+
+
+def cuda_aware() -> bool | None:
+    """Whether the MPI library can take CUDA device pointers (None when it cannot tell).
+
+    Asks, in order: Open MPI's `MPIX_Query_cuda_support()` extension, the MPI-4.1 info key
+    `mpi_memory_alloc_kinds` on COMM_WORLD, and `ompi_info`'s `mpi_built_with_cuda_support`.
+    """
+    MPI = _mpi()
+    try:
+        fn = ctypes.CDLL(None).MPIX_Query_cuda_support
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    except (AttributeError, OSError):
+        pass
+    try:
+        info = MPI.COMM_WORLD.Get_info()
+        kinds = info.Get("mpi_memory_alloc_kinds")
+        info.Free()
+        if kinds is not None:
+            return "cuda" in kinds
+    except Exception:  # noqa: BLE001 - an MPI without MPI-4.1 info keys
+        pass
+    ompi_info = shutil.which("ompi_info")
+    if ompi_info:
+        out = subprocess.run(
+            [ompi_info, "--parsable", "--all"], capture_output=True, text=True, check=False
+        ).stdout
+        for line in out.splitlines():
+            if "mpi_built_with_cuda_support:value" in line:
+                return line.rsplit(":", 1)[-1].strip() == "true"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gradient synchronization
+# ---------------------------------------------------------------------------------------------------
+
+_WIRE_DTYPES = ("none", "fp16", "bf16")
+
+
+class _Bucket:
+    """A flat buffer holding the gradients of a run of parameters, in backward order."""
+
+    __slots__ = ("index", "flat", "params", "ready", "host", "wire", "done")
+
+    def __init__(self, index: int, flat: Any, params: list[Any]):
+        self.index = index
+        self.flat = flat
+        self.params = params
+        self.ready: set[int] = set()
+        self.host: Any = None  # pinned host staging buffer for device tensors on a non-CUDA-aware MPI
+        self.wire: Any = None  # 16-bit wire buffer when compressing
+        self.done = threading.Event()
+
+
+class GradSync:
+    """Summing allreduce of a model's gradients over `comm`, in fused zero-copy buckets.
+
+    After `GradSync(params, comm)`, every parameter's `.grad` is a view into a flat bucket; backward
+    accumulates into the buckets directly. With `overlap=True`, a post-accumulate-grad hook marks
+    parameters ready and a bucket whose gradients are all ready is reduced by the communication thread
+    while backward goes on; `wait()` blocks until every bucket is reduced (buckets whose parameters got no
+    gradient this step are reduced as they are, zero). Buckets are always reduced in the same order on
+    every rank, so ranks that skip a parameter cannot mismatch collectives.
+
+    The caller scales its loss so that the summed gradient is the one it wants (the trainer divides by the
+    global sample count of the step), and calls `zero()` instead of `optimizer.zero_grad()`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        comm: Comm,
+        *,
+        bucket_mb: float = 4.0,
+        overlap: bool = True,
+        compress: str = "none",
+    ):
+        import torch
+
+        if bucket_mb <= 0:
+            raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
+        if compress not in _WIRE_DTYPES:
+            raise ConfigError(f"unknown compression {compress!r}: choose one of {', '.join(_WIRE_DTYPES)}")
+        self.comm = comm
+        self.compress = compress
+        self.overlap = overlap and comm.size > 1
+        self.enabled = True
+        unique: dict[int, Any] = {}
+        for p in params:
+            if p.requires_grad and id(p) not in unique:
+                unique[id(p)] = p
+        ordered = list(unique.values())[::-1]  # backward visits the last layers first
+        if not ordered:
+            raise ConfigError("the model has no trainable parameters")
+        dtypes = {p.dtype for p in ordered}
+        devices = {p.device for p in ordered}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ConfigError(
+                f"all trainable parameters must share one dtype and device (found {sorted(map(str, dtypes))} "
+                f"on {sorted(map(str, devices))}); cast the model with .to() first"
+            )
+        self.dtype = ordered[0].dtype
+        self.device = ordered[0].device
+        limit = max(1, int(bucket_mb * 2**20) // ordered[0].element_size())
+        groups: list[list[Any]] = [[]]
+        size = 0
+        for p in ordered:
+            if groups[-1] and size + p.numel() > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += p.numel()
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        for i, group in enumerate(groups):
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=self.dtype, device=self.device)
+            offset = 0
+            for p in group:
+                n = p.numel()
+                view = flat[offset : offset + n].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                offset += n
+            bucket = _Bucket(i, flat, group)
+            for p in group:
+                self._bucket_of[id(p)] = bucket
+            self.buckets.append(bucket)
+        self._staging = self.device.type == "cuda" and not bool(cuda_aware())
+        self._queue: queue.Queue[_Bucket | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._launched = 0
+        self._lock = threading.Lock()
+        self._hooks = []
+        self._thread: threading.Thread | None = None
+        if self.overlap:
+            for p in ordered:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
+            self._thread.start()
+        self.comm_seconds = 0.0
+
+    # -- the public step protocol ------------------------------------------------------------------
+    def zero(self) -> None:
+        """Zero every bucket (and so every gradient) before the next step; re-attaches lost views."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            bucket.ready.clear()
+            bucket.done.clear()
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                if p.grad is None or p.grad.data_ptr() != bucket.flat[offset:].data_ptr():
+                    p.grad = bucket.flat[offset : offset + n].view_as(p)
+                offset += n
+        self._launched = 0
+
+    def wait(self) -> None:
+        """Finish the allreduce of every bucket; afterwards each `.grad` holds the sum over ranks."""
+        import time
+
+        if not self.enabled:
+            return
+        start = time.perf_counter()
+        if self.comm.size > 1:
+            if self.overlap:
+                with self._lock:
+                    while self._launched < len(self.buckets):
+                        self._queue.put(self.buckets[self._launched])
+                        self._launched += 1
+                for bucket in self.buckets:
+                    bucket.done.wait()
+                if self._error is not None:
+                    raise CommError(f"gradient allreduce failed: {self._error}") from self._error
+            else:
+                for bucket in self.buckets:
+                    self._allreduce(bucket)
+        self.comm_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stop the communication thread and remove the hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: Any) -> None:
+        if not self.enabled:
+            return
+        bucket = self._bucket_of[id(param)]
+        with self._lock:
+            bucket.ready.add(id(param))
+            # Launch strictly in bucket order so every rank issues the same sequence of collectives.
+            while self._launched < len(self.buckets):
+                nxt = self.buckets[self._launched]
+                if len(nxt.ready) < len(nxt.params):
+                    break
+                self._queue.put(nxt)
+                self._launched += 1
+
+    def _run(self) -> None:
+        while True:
+            bucket = self._queue.get()
+            if bucket is None:
+                return
+            try:
+                if self._error is None:
+                    self._allreduce(bucket)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread in wait()
+                self._error = exc
+            finally:
+                bucket.done.set()
+
+    def _allreduce(self, bucket: _Bucket) -> None:
+        import torch
+
+        MPI = _mpi()
+        flat = bucket.flat
+        if self.device.type == "cuda" and self._staging:
+            if bucket.host is None:
+                bucket.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            bucket.host.copy_(flat, non_blocking=False)
+            self._reduce_host(bucket.host, bucket, MPI)
+            flat.copy_(bucket.host, non_blocking=False)
+        elif self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            self._reduce_host(flat, bucket, MPI)
+        else:
+            self._reduce_host(flat, bucket, MPI)
+
+    def _reduce_host(self, flat: Any, bucket: _Bucket, MPI: Any) -> None:
+        if self.compress == "none":
+            self.comm.mpi.Allreduce(MPI.IN_PLACE, _buffer(flat, MPI), op=MPI.SUM)
+            return
+        wire_dtype = {"fp16": "float16", "bf16": "bfloat16"}[self.compress]
+        import torch
+
+        dtype = getattr(torch, wire_dtype)
+        if bucket.wire is None:
+            bucket.wire = torch.empty(flat.shape, dtype=dtype, device=flat.device)
+        # Pre-divide by the world size so the 16-bit sum cannot overflow, then scale back in fp32.
+        torch.mul(flat, 1.0 / self.comm.size, out=bucket.wire)
+        self.comm.mpi.Allreduce(MPI.IN_PLACE, _buffer(bucket.wire, MPI), op=_sum_op(self.compress, MPI))
+        flat.copy_(bucket.wire).mul_(self.comm.size)
+
+
+def _buffer(tensor: Any, MPI: Any) -> Any:
+    """An mpi4py buffer spec over a tensor's memory, without a copy."""
+    import torch
+
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        raw = tensor.view(torch.int16)
+        return [raw if raw.is_cuda else raw.numpy(), _half_type(MPI)]
+    if tensor.is_cuda:
+        return tensor
+    return tensor.numpy()
+
+
+_HALF: Any = None
+_OPS: dict[str, Any] = {}
+
+
+def _half_type(MPI: Any) -> Any:
+    """An MPI datatype for one 16-bit float (fp16 or bf16): two bytes, committed once.
+
+    MPI has no standard 16-bit float type and mpi4py cannot infer one, so the sum is a user op that
+    widens each element to float32, adds, and rounds back.
+    """
+    global _HALF
+    if _HALF is None:
+        _HALF = MPI.BYTE.Create_contiguous(2).Commit()
+    return _HALF
+
+
+def _sum_op(compress: str, MPI: Any) -> Any:
+    """A summing op for 16-bit floats, accumulating each element pair in float32."""
+    if compress in _OPS:
+        return _OPS[compress]
+
+    if compress == "fp16":
+
+        def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            a = np.frombuffer(inbuf, dtype=np.float16)
+            b = np.frombuffer(inoutbuf, dtype=np.float16)
+            b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
+
+    else:
+
+        def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            a = np.frombuffer(inbuf, dtype=np.uint16).astype(np.uint32) << 16
+            b_raw = np.frombuffer(inoutbuf, dtype=np.uint16)
+            b = b_raw.astype(np.uint32) << 16
+            total = a.view(np.float32) + b.view(np.float32)
+            bits = total.view(np.uint32)
+            # round to nearest even, as torch does when casting float32 to bfloat16
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            b_raw[...] = (bits >> 16).astype(np.uint16)
+
+    _OPS[compress] = MPI.Op.Create(add, commute=True)
+    return _OPS[compress]
+

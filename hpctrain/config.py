@@ -1,0 +1,166 @@
+"""Configuration dataclasses, one per component.
+
+The CLI and a TOML file (`--config run.toml`, same keys as the flags) both build these; every check lives in
+`__post_init__` and names the field, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, one_of
+
+COMPRESSIONS = ("none", "lzf", "gzip")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "step")
+WIRE_FORMATS = ("none", "fp16", "bf16")
+
+
+def _positive(name: str, value: float, example: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} {value!r} must be a positive number, e.g. {name} {example}")
+
+
+def _non_negative(name: str, value: float, example: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} {value!r} must be zero or more, e.g. {name} {example}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardConfig:
+    """How `hpctrain shard` turns a SOURCE into per-rank HDF5 shards."""
+
+    source: str
+    """The SOURCE: digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/.hdf5 or FILE.csv."""
+    out: Path
+    """The output directory (created; must not exist unless `force`)."""
+    shards: int = 8
+    """Shards per split; train on a world size that divides it."""
+    val_fraction: float = 0.2
+    """Fraction of the samples held out for validation (0 for none)."""
+    seed: int = 0
+    """Seed of the split and of the synthetic source."""
+    compression: str = "none"
+    """HDF5 compression filter of every dataset: none, lzf or gzip (with the shuffle filter)."""
+    chunk_rows: int | None = None
+    """Rows per HDF5 chunk; None picks about 1 MiB per chunk of x."""
+    force: bool = False
+    """Replace an existing OUT."""
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if not isinstance(self.shards, int) or self.shards < 1:
+            raise ConfigError(f"--shards {self.shards!r} must be a whole number of at least 1, e.g. --shards 8")
+        if not (isinstance(self.val_fraction, (int, float)) and 0 <= self.val_fraction < 1):
+            raise ConfigError(f"--val-fraction {self.val_fraction!r} must be in [0, 1), e.g. --val-fraction 0.2")
+        if self.compression not in COMPRESSIONS:
+            raise one_of("--compression", self.compression, COMPRESSIONS)
+        if self.chunk_rows is not None and self.chunk_rows < 1:
+            raise ConfigError(f"--chunk-rows {self.chunk_rows!r} must be at least 1, or left out for automatic")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """One training run: data, model, optimization, checkpointing and gradient sync."""
+
+    data: Path
+    """Directory written by `hpctrain shard` (holds manifest.json)."""
+    run_dir: Path
+    """Where metrics, checkpoints, logs and the final model go."""
+    model: str = "mlp"
+    """mlp, mlp:H1,H2[:dropout=P], cnn, module.path:factory or path/to/file.py:factory."""
+    epochs: int = 10
+    """Passes over the training data."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps in total (0: no limit)."""
+    batch_size: int = 32
+    """Samples per rank per step; the global batch is batch_size x world_size."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    optimizer: str = "sgd"
+    """sgd, adam or adamw."""
+    momentum: float = 0.9
+    """SGD momentum (ignored by adam/adamw)."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for adamw)."""
+    seed: int = 0
+    """Seed of model initialization, shuffling and dropout."""
+    schedule: str = "constant"
+    """Learning-rate schedule: constant, cosine (to zero at the last step) or step (x0.1 at 1/2 and 3/4)."""
+    clip_grad: float = 0.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    shuffle: bool = True
+    """Shuffle each rank's samples every epoch (a pure function of seed, epoch, rank and world size)."""
+    init_weights: Path | None = None
+    """A state_dict (.pt) to start from instead of a fresh initialization."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0: only at the end and on a stop signal)."""
+    keep: int = 2
+    """Complete checkpoints to keep (at least 2)."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint in run_dir, else fresh), never, or a checkpoint directory."""
+    bucket_mb: float = 4.0
+    """Size of one gradient bucket in MiB."""
+    compress: str = "none"
+    """Wire format of the gradient allreduce: none, fp16 or bf16."""
+    overlap: bool = True
+    """Start each bucket's allreduce during backward, on the communication thread."""
+    audit_samples: bool = False
+    """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
+    log_every: int = 10
+    """Log metrics every this many steps (and at the end of every epoch)."""
+    json: bool = False
+    """Print the summary as one JSON object."""
+    progress: bool = True
+    """Show a progress bar on rank 0 when the output is a terminal."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Keys from a config file that no flag has (kept in the resolved config)."""
+
+    def __post_init__(self) -> None:
+        self.data = Path(self.data)
+        self.run_dir = Path(self.run_dir)
+        if self.init_weights is not None:
+            self.init_weights = Path(self.init_weights)
+        for name, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size), ("--log-every", self.log_every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} {value!r} must be a whole number of at least 1")
+        for name, value in (("--max-steps", self.max_steps), ("--checkpoint-every", self.checkpoint_every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} {value!r} must be a whole number, 0 or more")
+        _positive("--lr", self.lr, "0.05")
+        _positive("--bucket-mb", self.bucket_mb, "4")
+        _non_negative("--momentum", self.momentum, "0.9")
+        _non_negative("--weight-decay", self.weight_decay, "0.0001")
+        _non_negative("--clip-grad", self.clip_grad, "1.0")
+        if self.optimizer not in OPTIMIZERS:
+            raise one_of("optimizer", self.optimizer, OPTIMIZERS)
+        if self.schedule not in SCHEDULES:
+            raise one_of("schedule", self.schedule, SCHEDULES)
+        if self.compress not in WIRE_FORMATS:
+            raise one_of("compression", self.compress, WIRE_FORMATS)
+        if not isinstance(self.keep, int) or self.keep < 2:
+            raise ConfigError(f"--keep {self.keep!r} must be at least 2, so a complete checkpoint always survives")
+        if not self.resume:
+            raise ConfigError("--resume '' is empty: use auto, never, or a checkpoint directory")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (paths as strings, None dropped) for config.toml, checkpoints and summaries."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra":
+                continue
+            if isinstance(value, Path):
+                value = str(value)
+            if value is not None:
+                out[f.name] = value
+        out.update(self.extra)
+        return out
+
+
+def dataclass_dict(obj: Any) -> dict[str, Any]:
+    """asdict with paths turned into strings."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(obj).items()}

@@ -1,0 +1,370 @@
+"""The shard format: manifest, integrity checks and the per-rank reader.
+
+`hpctrain shard` (module `sharding`) writes `OUT/manifest.json` and `OUT/{train,val}/shard-*.h5`; this
+module reads them. Rank r of W reads shards r, r+W, r+2W, ... and nothing else. Every rank knows the sample
+count of every shard from the manifest, so all ranks agree on the number of steps of an epoch without
+talking; a rank whose shards hold fewer samples gets a short (or empty) last batch instead of hanging the
+others in an allreduce, and every sample is still used exactly once per epoch.
+
+Reading is block-wise (contiguous h5py slices, never per-sample indexing). With shuffling, the blocks of
+the rank's shards are permuted and gathered into windows; the samples of each window are permuted again.
+A window holds up to `window_rows` samples (all of them for small datasets, so the shuffle is then a full
+uniform permutation). The order is a pure function of (seed, epoch, rank, world size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .errors import ConfigError, DataError
+
+MANIFEST = "manifest.json"
+FORMAT = "hpctrain-shards"
+VERSION = 1
+SPLITS = ("train", "val")
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}.h5"
+
+
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFile:
+    path: Path
+    samples: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSet:
+    """A loaded, validated manifest."""
+
+    root: Path
+    manifest: dict[str, Any]
+    num_shards: int
+    num_classes: int
+    x_shape: tuple[int, ...]
+    x_dtype: str
+    splits: dict[str, list[ShardFile]]
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the manifest's content: the identity of this dataset in checkpoints."""
+        canonical = json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(canonical).hexdigest()
+
+    def samples(self, split: str) -> int:
+        return sum(s.samples for s in self.splits.get(split, []))
+
+    def rank_shards(self, split: str, rank: int, world: int) -> list[ShardFile]:
+        return self.splits.get(split, [])[rank::world]
+
+    def check_world(self, world: int) -> None:
+        if self.num_shards % world:
+            divisors = [w for w in range(1, self.num_shards + 1) if self.num_shards % w == 0]
+            raise ConfigError(
+                f"the data in {self.root} has {self.num_shards} shards, which {world} ranks cannot share evenly: "
+                f"run on {', '.join(map(str, divisors))} ranks, or reshard with "
+                f"`hpctrain shard SOURCE OUT --shards {world * max(1, self.num_shards // world + 1)}`"
+            )
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """The path of a manifest entry, refusing entries that escape the dataset directory."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute():
+        raise DataError(f"manifest entry {rel!r} in {root / MANIFEST} must be a path relative to {root}")
+    path = (root / rel).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise DataError(f"manifest entry {rel!r} in {root / MANIFEST} points outside {root}; refusing to read it")
+    return path
+
+
+def load_manifest(root: Path | str) -> ShardSet:
+    """Read and check `root/manifest.json`; raise DataError naming what is wrong and how to fix it."""
+    root = Path(root)
+    mpath = root / MANIFEST
+    if not root.exists():
+        raise DataError(f"--data {str(root)!r} does not exist: create it with `hpctrain shard SOURCE {root}`")
+    if not mpath.is_file():
+        raise DataError(f"{str(mpath)!r} not found: is {str(root)!r} a directory written by `hpctrain shard`?")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{str(mpath)!r} is not valid JSON ({exc}); re-create it with `hpctrain shard`") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{str(mpath)!r} is not an hpctrain manifest (format must be {FORMAT!r})")
+    if manifest.get("version") != VERSION:
+        raise DataError(f"{str(mpath)!r} has version {manifest.get('version')!r}; this hpctrain reads version {VERSION}")
+    try:
+        num_shards = int(manifest["num_shards"])
+        num_classes = int(manifest["num_classes"])
+        x_shape = tuple(int(d) for d in manifest["x"]["shape"])
+        x_dtype = str(manifest["x"]["dtype"])
+        splits: dict[str, list[ShardFile]] = {}
+        for split, body in manifest["splits"].items():
+            if split not in SPLITS:
+                raise DataError(f"{str(mpath)!r} has an unknown split {split!r}; expected {', '.join(SPLITS)}")
+            files = [ShardFile(_inside(root, e["file"]), int(e["samples"]), str(e["sha256"])) for e in body["shards"]]
+            if len(files) != num_shards:
+                raise DataError(f"{str(mpath)!r}: split {split!r} lists {len(files)} shards, expected {num_shards}")
+            splits[split] = files
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{str(mpath)!r} is missing or has a malformed field ({exc}); re-create it with `hpctrain shard`") from exc
+    if "train" not in splits:
+        raise DataError(f"{str(mpath)!r} has no train split")
+    for files in splits.values():
+        for f in files:
+            if not f.path.is_file():
+                raise DataError(f"shard {str(f.path)!r} listed in {str(mpath)!r} is missing; re-create the data with `hpctrain shard`")
+    return ShardSet(root, manifest, num_shards, num_classes, x_shape, x_dtype, splits)
+
+
+def verify(root: Path | str, *, quick: bool = False) -> list[str]:
+    """Re-hash every shard (or, with `quick`, check sizes and datasets only); return the problems found."""
+    import h5py
+
+    shards = load_manifest(root)
+    problems: list[str] = []
+    for split, files in shards.splits.items():
+        for f in files:
+            try:
+                with h5py.File(f.path, "r", locking=False) as h5:
+                    n = {name: h5[name].shape[0] for name in ("x", "y", "index")}
+            except (OSError, KeyError) as exc:
+                problems.append(f"{f.path}: unreadable or missing a dataset ({exc})")
+                continue
+            if set(n.values()) != {f.samples}:
+                problems.append(f"{f.path}: holds {n} samples, the manifest says {f.samples}")
+            if not quick and sha256_file(f.path) != f.sha256:
+                problems.append(f"{f.path}: sha256 differs from the manifest (file changed or corrupt)")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    x: np.ndarray
+    y: np.ndarray
+    index: np.ndarray  # global sample ids, for --audit-samples
+
+
+class ShardReader:
+    """Batches of one split for one rank, in a deterministic order per epoch.
+
+    `steps_per_epoch` is the same on every rank: the most batches any rank needs. `step_sizes(step)` gives
+    every rank's batch size at a step, so the caller can weight each rank's gradient by its share of the
+    global batch.
+    """
+
+    def __init__(self, shards: ShardSet, split: str, *, rank: int, world: int, batch_size: int,
+                 shuffle: bool = True, seed: int = 0, block_rows: int | None = None,
+                 window_rows: int = 1 << 16, prefetch: int = 2):
+        shards.check_world(world)
+        self.shards = shards
+        self.split = split
+        self.rank = rank
+        self.world = world
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.files = shards.rank_shards(split, rank, world)
+        self.counts = np.array([sum(f.samples for f in shards.rank_shards(split, r, world)) for r in range(world)])
+        self.samples = int(self.counts[rank])
+        self.steps_per_epoch = int(max(0, -(-int(self.counts.max()) // batch_size)))
+        row_bytes = max(1, int(np.prod(shards.x_shape)) * np.dtype(shards.x_dtype).itemsize)
+        self.block_rows = block_rows or int(min(4096, max(64, (1 << 20) // row_bytes)))
+        self.window_rows = max(window_rows, self.block_rows)
+        self.prefetch = prefetch
+        self._handles: dict[Path, Any] = {}
+
+    def step_sizes(self, step: int) -> np.ndarray:
+        """Every rank's number of samples at `step` of an epoch (0 once a rank has run out)."""
+        start = step * self.batch_size
+        return np.clip(self.counts - start, 0, self.batch_size)
+
+    # -- planning: pure functions of (seed, epoch, rank, world) --------------------------------------
+    def _blocks(self) -> list[tuple[int, int, int]]:
+        blocks = []
+        for i, f in enumerate(self.files):
+            for start in range(0, f.samples, self.block_rows):
+                blocks.append((i, start, min(f.samples, start + self.block_rows)))
+        return blocks
+
+    def _windows(self, epoch: int) -> list[tuple[list[tuple[int, int, int]], int]]:
+        """(blocks of the window, seed of its in-window permutation) in stream order."""
+        blocks = self._blocks()
+        if not self.shuffle:
+            return [(blocks, -1)] if blocks else []
+        rng = np.random.default_rng([self.seed, epoch, self.rank, self.world, 0])
+        order = [blocks[i] for i in rng.permutation(len(blocks))]
+        windows, current, rows = [], [], 0
+        for b in order:
+            if current and rows + (b[2] - b[1]) > self.window_rows:
+                windows.append(current)
+                current, rows = [], 0
+            current.append(b)
+            rows += b[2] - b[1]
+        if current:
+            windows.append(current)
+        return [(w, i) for i, w in enumerate(windows)]
+
+    def _open(self, f: ShardFile) -> Any:
+        import h5py
+
+        handle = self._handles.get(f.path)
+        if handle is None:
+            try:
+                handle = h5py.File(f.path, "r", locking=False)
+            except OSError as exc:
+                raise DataError(f"cannot open shard {str(f.path)!r} ({exc}); check it with `hpctrain verify`") from exc
+            self._handles[f.path] = handle
+        return handle
+
+    def _read(self, blocks: list[tuple[int, int, int]], only_indices: bool = False) -> tuple[np.ndarray, ...]:
+        xs, ys, idx = [], [], []
+        for i, start, stop in blocks:
+            f = self.files[i]
+            h5 = self._open(f)
+            try:
+                if not only_indices:
+                    xs.append(h5["x"][start:stop])
+                    ys.append(h5["y"][start:stop])
+                idx.append(h5["index"][start:stop])
+            except (OSError, KeyError) as exc:
+                raise DataError(f"cannot read rows {start}:{stop} of shard {str(f.path)!r} ({exc}); "
+                                "check it with `hpctrain verify`") from exc
+        if only_indices:
+            return (np.concatenate(idx) if idx else np.empty(0, np.int64),)
+        return np.concatenate(xs), np.concatenate(ys).astype(np.int64, copy=False), np.concatenate(idx)
+
+    def _stream(self, epoch: int, skip: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Windows of (x, y, index) in stream order, skipping the first `skip` samples without reading them."""
+        for blocks, wseed in self._windows(epoch):
+            rows = sum(b[2] - b[1] for b in blocks)
+            if skip >= rows:
+                skip -= rows
+                continue
+            if not self.shuffle:
+                # Contiguous: read only what is needed, a block at a time.
+                for b in blocks:
+                    n = b[2] - b[1]
+                    if skip >= n:
+                        skip -= n
+                        continue
+                    x, y, ix = self._read([(b[0], b[1] + skip, b[2])])
+                    skip = 0
+                    yield x, y, ix
+                continue
+            x, y, ix = self._read(blocks)
+            perm = np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed]).permutation(rows)
+            perm = perm[skip:]
+            skip = 0
+            yield x[perm], y[perm], ix[perm]
+
+    def _batches(self, epoch: int, start_step: int) -> Iterator[Batch]:
+        B = self.batch_size
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        have = 0
+        stream = self._stream(epoch, start_step * B)
+        empty = Batch(np.empty((0, *self.shards.x_shape), self.shards.x_dtype), np.empty(0, np.int64),
+                      np.empty(0, np.int64))
+        for step in range(start_step, self.steps_per_epoch):
+            want = int(self.step_sizes(step)[self.rank])
+            while have < want:
+                part = next(stream)
+                pending.append(part)
+                have += len(part[0])
+            if want == 0:
+                yield empty
+                continue
+            xs, ys, ixs, got = [], [], [], 0
+            while got < want:
+                x, y, ix = pending[0]
+                take = min(want - got, len(x))
+                xs.append(x[:take]); ys.append(y[:take]); ixs.append(ix[:take])
+                got += take
+                if take == len(x):
+                    pending.pop(0)
+                else:
+                    pending[0] = (x[take:], y[take:], ix[take:])
+            have -= want
+            if len(xs) == 1:
+                yield Batch(xs[0], ys[0], ixs[0])
+            else:
+                yield Batch(np.concatenate(xs), np.concatenate(ys), np.concatenate(ixs))
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
+        """The batches of `epoch` from `start_step` on, read ahead by a background thread."""
+        if self.prefetch <= 0:
+            yield from self._batches(epoch, start_step)
+            return
+        q: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        done = object()
+
+        def produce() -> None:
+            try:
+                for batch in self._batches(epoch, start_step):
+                    while not stop.is_set():
+                        try:
+                            q.put(batch, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                q.put(done)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                q.put(exc)
+
+        thread = threading.Thread(target=produce, name="hpctrain-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join()
+
+    def consumed(self, epoch: int, steps: int) -> np.ndarray:
+        """Global ids this rank trained on in the first `steps` steps of `epoch` (for audits and elastic resume)."""
+        n = int(min(self.samples, steps * self.batch_size))
+        out, need = [], n
+        for blocks, wseed in self._windows(epoch):
+            if need <= 0:
+                break
+            (ix,) = self._read(blocks, only_indices=True)
+            if self.shuffle:
+                ix = ix[np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed]).permutation(len(ix))]
+            out.append(ix[:need])
+            need -= len(ix[:need])
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()

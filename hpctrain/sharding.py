@@ -1,0 +1,370 @@
+"""`hpctrain shard`: read a SOURCE and write per-rank HDF5 shards plus a manifest.
+
+The split is a seeded permutation of the samples: the first `val_fraction` go to `val`, the rest to
+`train`, and each split is cut into `shards` parts whose sizes differ by at most one. Inside a shard,
+samples keep the order of the source (the reader shuffles per epoch), which lets the writer stream: it
+reads the source in chunks and appends each chunk's rows to their shards, so memory stays bounded by one
+chunk whatever the size of the source.
+
+Everything is written into a hidden temporary directory beside OUT and renamed into place at the end, so
+a failure leaves nothing behind and a reader never sees a half-written dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .config import ShardConfig
+from .data import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
+from .errors import ConfigError, DataError
+from .progress import Progress
+
+SOURCE_FORMS = "digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/FILE.hdf5 or FILE.csv"
+_READ_BYTES = 64 << 20  # rows of the source read at a time: about this many bytes of x
+
+
+@dataclass(slots=True)
+class Source:
+    """A dataset to shard: sample shape and dtype, all labels, and chunked access to x."""
+
+    name: str
+    n: int
+    x_shape: tuple[int, ...]
+    x_dtype: np.dtype
+    y: np.ndarray
+    read: Callable[[int, int], np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.y.max()) + 1 if self.n else 0
+
+
+def _store_dtype(dtype: np.dtype) -> np.dtype:
+    """Floats are stored as they are; anything else as float32 (train reads x as float32)."""
+    return dtype if np.issubdtype(dtype, np.floating) else np.dtype(np.float32)
+
+
+def _labels(y: np.ndarray, where: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim != 1:
+        y = y.reshape(len(y), -1)
+        if y.shape[1] != 1:
+            raise DataError(f"labels in {where} must be one integer per sample, found shape {y.shape}")
+        y = y[:, 0]
+    if y.size == 0:
+        raise DataError(f"{where} holds no samples")
+    if not np.issubdtype(y.dtype, np.integer):
+        if not np.issubdtype(y.dtype, np.number) or not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise DataError(f"labels in {where} must be whole numbers (class ids 0..C-1), found {y.dtype} values such as {y[:3].tolist()}")
+    y = y.astype(np.int64)
+    if y.min() < 0:
+        raise DataError(f"labels in {where} must be 0 or more, found {int(y.min())}")
+    return y
+
+
+def _check_lengths(n_x: int, n_y: int, where: str) -> None:
+    if n_x != n_y:
+        raise DataError(f"{where}: x has {n_x} samples but y has {n_y}; they must have the same length")
+
+
+def _digits() -> Source:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    return Source("digits", len(x), (64,), x.dtype, d.target.astype(np.int64), lambda s, e: x[s:e],
+                  meta={"preprocessing": "x = pixel / 16 (scikit-learn digits, 8x8 pixels 0..16, scaled to [0, 1])"})
+
+
+def _synthetic(spec: str, seed: int) -> Source:
+    parts = spec.split(":")[1:]
+    try:
+        if not 1 <= len(parts) <= 3:
+            raise ValueError
+        n, d, c = (int(p) for p in parts + ["32", "10"][len(parts) - 1:])
+    except ValueError:
+        raise DataError(f"bad SOURCE {spec!r}: write synthetic:N[:D[:C]] with whole numbers, e.g. synthetic:10000:32:10") from None
+    if n < 1 or d < 1 or c < 2:
+        raise DataError(f"bad SOURCE {spec!r}: need N >= 1 samples, D >= 1 features and C >= 2 classes")
+    weights = np.random.default_rng([seed, 7]).standard_normal((d, c)).astype(np.float32)
+    block = 4096
+
+    def read(start: int, stop: int) -> np.ndarray:
+        # Generated in fixed blocks so a row's value does not depend on how the caller chunks the reads.
+        out = []
+        for b in range(start // block, (stop - 1) // block + 1):
+            x = np.random.default_rng([seed, 11, b]).standard_normal((min(block, n - b * block), d), dtype=np.float32)
+            lo, hi = max(start, b * block) - b * block, min(stop, (b + 1) * block) - b * block
+            out.append(x[lo:hi])
+        return np.concatenate(out)
+
+    y = np.empty(n, np.int64)
+    for s in range(0, n, block * 16):
+        e = min(n, s + block * 16)
+        y[s:e] = np.argmax(read(s, e) @ weights, axis=1)
+    return Source(spec, n, (d,), np.dtype(np.float32), y, read,
+                  meta={"preprocessing": f"x ~ N(0, 1) per feature; y = argmax(x @ W), W seeded by --seed ({seed})"})
+
+
+def _npz(path: Path) -> Source:
+    try:
+        arrays = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read {str(path)!r} as an .npz archive ({exc})") from exc
+    with arrays:
+        missing = [k for k in ("x", "y") if k not in arrays.files]
+        if missing:
+            raise DataError(f"{str(path)!r} lacks array(s) {', '.join(missing)}: it needs 'x' (samples) and 'y' (labels); found {arrays.files}")
+        x, y = arrays["x"], arrays["y"]
+    if x.ndim < 1:
+        raise DataError(f"'x' in {str(path)!r} must have one row per sample, found a scalar")
+    _check_lengths(len(x), len(y), str(path))
+    y = _labels(y, str(path))
+    return Source(str(path), len(x), tuple(x.shape[1:]), x.dtype, y, lambda s, e: x[s:e])
+
+
+def _hdf5(path: Path) -> Source:
+    import h5py
+
+    try:
+        h5 = h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise DataError(f"cannot open {str(path)!r} as HDF5 ({exc})") from exc
+    missing = [k for k in ("x", "y") if k not in h5 or not isinstance(h5[k], h5py.Dataset)]
+    if missing:
+        h5.close()
+        raise DataError(f"{str(path)!r} lacks dataset(s) {', '.join(missing)}: it needs 'x' (samples) and 'y' (labels)")
+    x = h5["x"]
+    if x.ndim < 1:
+        h5.close()
+        raise DataError(f"'x' in {str(path)!r} must have one row per sample")
+    try:
+        _check_lengths(x.shape[0], h5["y"].shape[0], str(path))
+        y = _labels(h5["y"][()], str(path))
+    except DataError:
+        h5.close()
+        raise
+    return Source(str(path), x.shape[0], tuple(x.shape[1:]), x.dtype, y, lambda s, e: x[s:e], close=h5.close)
+
+
+def _csv(path: Path) -> Source:
+    try:
+        with open(path) as fh:
+            first = fh.readline()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {str(path)!r} as text ({exc})") from exc
+    if not first.strip():
+        raise DataError(f"{str(path)!r} is empty: a CSV needs numeric columns with the integer label last")
+    try:
+        [float(v) for v in first.split(",")]
+        skip = 0
+    except ValueError:
+        skip = 1  # a header line
+    try:
+        table = np.loadtxt(path, delimiter=",", skiprows=skip, ndmin=2, dtype=np.float64)
+    except ValueError as exc:
+        raise DataError(f"{str(path)!r} is not a numeric CSV ({exc}); every column must be a number, the last one the label") from exc
+    if table.shape[1] < 2:
+        raise DataError(f"{str(path)!r} has {table.shape[1]} column(s); it needs at least one feature and the label")
+    x = table[:, :-1].astype(np.float32)
+    y = _labels(table[:, -1], str(path))
+    return Source(str(path), len(x), (x.shape[1],), x.dtype, y, lambda s, e: x[s:e])
+
+
+def open_source(spec: str, seed: int = 0) -> Source:
+    """Open SOURCE (see SOURCE_FORMS); raise DataError naming the value when it cannot be used."""
+    if spec == "digits":
+        return _digits()
+    if spec.startswith("synthetic"):
+        return _synthetic(spec, seed)
+    path = Path(spec)
+    suffix = path.suffix.lower()
+    readers = {".npz": _npz, ".h5": _hdf5, ".hdf5": _hdf5, ".csv": _csv}
+    if suffix not in readers:
+        raise DataError(f"unknown SOURCE {spec!r}: use one of {SOURCE_FORMS}")
+    if not path.is_file():
+        raise DataError(f"SOURCE file {spec!r} not found: check the path")
+    return readers[suffix](path)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def _bounds(n: int, parts: int) -> np.ndarray:
+    """Start offsets of `parts` pieces of `n` items whose sizes differ by at most one."""
+    return np.array([(n * k) // parts for k in range(parts + 1)])
+
+
+def assign(n: int, shards: int, val_fraction: float, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Destination of every sample: a slot id (split * shards + shard) and each split's shard sizes."""
+    perm = np.random.default_rng([seed, 3]).permutation(n)
+    n_val = int(round(n * val_fraction))
+    slot = np.empty(n, np.int32)
+    sizes: dict[str, np.ndarray] = {}
+    for s, ids in enumerate((perm[n_val:], perm[:n_val])):
+        bounds = _bounds(len(ids), shards)
+        for k in range(shards):
+            slot[ids[bounds[k]:bounds[k + 1]]] = s * shards + k
+        sizes[SPLITS[s]] = np.diff(bounds)
+    return slot, sizes
+
+
+def _chunk_rows(cfg: ShardConfig, row_bytes: int) -> int:
+    return cfg.chunk_rows or int(max(1, min(1 << 16, (1 << 20) // max(1, row_bytes))))
+
+
+def _safe_to_replace(out: Path) -> bool:
+    if out.is_dir() and not any(out.iterdir()):
+        return True
+    try:
+        return json.loads((out / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def shard(cfg: ShardConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Write the shards and manifest for `cfg`; return the manifest."""
+    import h5py
+
+    out = cfg.out
+    if out.exists() and not cfg.force:
+        raise ConfigError(f"OUT {str(out)!r} already exists: choose another directory or pass --force to replace it")
+    if out.exists() and not _safe_to_replace(out):
+        raise ConfigError(f"OUT {str(out)!r} exists and is not an hpctrain dataset; refusing to replace it even with --force")
+    source = open_source(cfg.source, cfg.seed)
+    try:
+        n_val = int(round(source.n * cfg.val_fraction))
+        for split, count in (("train", source.n - n_val), ("val", n_val)):
+            if 0 < count < cfg.shards or (split == "train" and count < cfg.shards):
+                raise ConfigError(f"--shards {cfg.shards} is more than the {count} {split} samples of {cfg.source!r}: "
+                                  f"use --shards {max(1, min(count, cfg.shards))} or fewer")
+        slot, sizes = assign(source.n, cfg.shards, cfg.val_fraction, cfg.seed)
+        dtype = _store_dtype(source.x_dtype)
+        row_bytes = int(np.prod(source.x_shape, dtype=np.int64)) * dtype.itemsize
+        chunk_rows = _chunk_rows(cfg, row_bytes)
+        read_rows = max(chunk_rows, _READ_BYTES // max(1, row_bytes))
+        created = [p for p in [*out.parents][::-1] if not p.exists()]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        try:
+            manifest = _write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, h5py, show_progress)
+            _commit(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for p in created[::-1]:
+                try:
+                    p.rmdir()
+                except OSError:
+                    pass
+            raise
+    finally:
+        source.close()
+    return manifest
+
+
+def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, np.ndarray], dtype: np.dtype,
+           chunk_rows: int, read_rows: int, tmp: Path, h5py: Any, show_progress: bool) -> dict[str, Any]:
+    shards = cfg.shards
+    filters: dict[str, Any] = {"fletcher32": True}
+    if cfg.compression != "none":
+        filters.update(compression=cfg.compression, shuffle=True)
+    live = [(s, k) for s, split in enumerate(SPLITS) for k in range(shards) if sizes[split][k] > 0]
+    for split in SPLITS:
+        if sizes[split].sum() > 0:
+            (tmp / split).mkdir(parents=True, exist_ok=True)
+    # Keep at most this many files open at once; more slots take more passes over the source.
+    per_pass = 256
+    with Progress(source.n * -(-len(live) // per_pass), f"shard {cfg.source}", enabled=show_progress,
+                  unit="samples") as bar:
+        for g in range(0, len(live), per_pass):
+            group = live[g:g + per_pass]
+            files, pos = {}, {}
+            try:
+                for s, k in group:
+                    count = int(sizes[SPLITS[s]][k])
+                    h5 = h5py.File(tmp / SPLITS[s] / shard_name(k, shards), "w", locking=False)
+                    rows = min(chunk_rows, count)
+                    h5.create_dataset("x", (count, *source.x_shape), dtype=dtype, chunks=(rows, *source.x_shape), **filters)
+                    h5.create_dataset("y", (count,), dtype=np.int64, chunks=(min(count, max(rows, 1024)),), **filters)
+                    h5.create_dataset("index", (count,), dtype=np.int64, chunks=(min(count, max(rows, 1024)),), **filters)
+                    files[s * shards + k] = h5
+                    pos[s * shards + k] = 0
+                for start in range(0, source.n, read_rows):
+                    stop = min(source.n, start + read_rows)
+                    x = source.read(start, stop)
+                    if x.shape[1:] != source.x_shape:
+                        raise DataError(f"{cfg.source!r}: rows {start}:{stop} have shape {x.shape[1:]}, expected {source.x_shape}")
+                    keys = slot[start:stop]
+                    order = np.argsort(keys, kind="stable")
+                    sorted_keys = keys[order]
+                    edges = np.flatnonzero(np.diff(sorted_keys)) + 1
+                    for run in np.split(order, edges):
+                        key = int(keys[run[0]])
+                        h5 = files.get(key)
+                        if h5 is None:
+                            continue
+                        p, m = pos[key], len(run)
+                        h5["x"][p:p + m] = x[run].astype(dtype, copy=False)
+                        h5["y"][p:p + m] = source.y[start + run]
+                        h5["index"][p:p + m] = start + run
+                        pos[key] = p + m
+                    bar.update(stop - start)
+            finally:
+                for h5 in files.values():
+                    h5.close()
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "source": cfg.source,
+        "seed": cfg.seed,
+        "val_fraction": cfg.val_fraction,
+        "num_shards": shards,
+        "num_classes": source.num_classes,
+        "num_samples": source.n,
+        "x": {"dtype": dtype.name, "shape": list(source.x_shape)},
+        "y": {"dtype": "int64", "shape": []},
+        "chunk_rows": chunk_rows,
+        "compression": cfg.compression,
+        "fletcher32": True,
+        **source.meta,
+        "splits": {},
+    }
+    for s, split in enumerate(SPLITS):
+        if sizes[split].sum() == 0:
+            continue
+        entries = []
+        for k in range(shards):
+            rel = f"{split}/{shard_name(k, shards)}"
+            entries.append({"file": rel, "samples": int(sizes[split][k]), "sha256": sha256_file(tmp / rel)})
+        manifest["splits"][split] = {"samples": int(sizes[split].sum()), "shards": entries}
+    with open(tmp / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return manifest
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Move the finished directory into place; an old OUT (with --force) is removed only afterwards."""
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,520 @@
+"""The control layer: one data-parallel training run, read top to bottom.
+
+`train(cfg)` runs on however many MPI ranks started it (one with no launcher): check inputs on every rank
+and agree that they are good, build the model on rank 0 and broadcast it, then loop over epochs and
+steps (read this rank's batch -> forward -> backward with bucketed, overlapped gradient allreduce ->
+optimizer step), validate after every epoch, checkpoint by policy and on a stop signal, and write
+metrics.jsonl, summary.json and model.pt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .comm import Comm, GradSync, world
+from .config import TrainConfig
+from .data import ShardReader, ShardSet, load_manifest
+from .env import RankEnv, read_env
+from .errors import CheckpointError, ConfigError, HpctrainError
+from .models import build_model
+from .progress import Progress
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+class StopRequested(HpctrainError):
+    """The run was asked to stop (SIGTERM/SIGUSR2) and wrote a checkpoint; resume with --resume auto."""
+
+    exit_code = 3
+
+
+def param_sha256(model: Any) -> str:
+    """sha256 over the model's state_dict tensors, in key order: equal on every rank when ranks are in sync."""
+    import torch
+
+    digest = hashlib.sha256()
+    for key, tensor in model.state_dict().items():
+        digest.update(key.encode())
+        t = tensor.detach().cpu().contiguous().view(-1)
+        if t.numel():
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _lr_factor(schedule: str, total: int) -> Any:
+    if schedule == "cosine":
+        return lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, total) / max(1, total)))
+    if schedule == "step":
+        return lambda s: 0.1 ** ((s >= total // 2) + (s >= (3 * total) // 4))
+    return lambda s: 1.0
+
+
+def _optimizer(cfg: TrainConfig, params: Any) -> Any:
+    import torch
+
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "numpy": _np_state_out(np.random.get_state()), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _np_state_out(state: tuple) -> dict[str, Any]:
+    import torch
+
+    return {"name": state[0], "keys": torch.from_numpy(state[1].astype(np.int64)), "pos": int(state[2]),
+            "has_gauss": int(state[3]), "cached": float(state[4])}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    s = state["numpy"]
+    np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached"]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _StopFlag:
+    """Signal handlers only set this flag; the ranks agree on it at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (library use); signals stay with the caller
+                return
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def _agree(comm: Comm, error: HpctrainError | None) -> None:
+    """Raise on every rank when any rank failed its checks, so no rank walks into a collective alone."""
+    messages = comm.allgather(None if error is None else (type(error).__name__, str(error), error.exit_code))
+    bad = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if not bad:
+        return
+    if error is not None:
+        raise error
+    rank, (kind, text, code) = bad[0]
+    exc = HpctrainError(f"rank {rank}: {text}")
+    exc.exit_code = code
+    raise exc
+
+
+def _setup_logging(run_dir: Path, rank: int) -> logging.Logger:
+    log = logging.getLogger(f"hpctrain.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank:04d}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    return log
+
+
+def _resolve_resume(cfg: TrainConfig, warn: Any) -> Path | None:
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        return ckpt.latest(cfg.run_dir, warn=warn)
+    path = Path(cfg.resume)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {cfg.resume!r}: no such checkpoint directory; use auto, never or a RUN/checkpoints/step-* path")
+    ckpt.check(path)
+    return path
+
+
+def _config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    ignore = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep"}
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if k not in ignore and old.get(k) != new.get(k)]
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _truncate_lines(path: Path, keep: int) -> None:
+    """Keep the first `keep` lines of a text file (drop what a resumed run will redo)."""
+    if not path.exists():
+        return
+    with open(path, "rb") as fh:
+        lines = fh.readlines()[:keep]
+    with open(path, "wb") as fh:
+        fh.writelines(lines)
+
+
+def _keep_metrics(path: Path, last_step: int) -> None:
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = None) -> dict[str, Any]:
+    """Run one training job on every rank of `comm` (COMM_WORLD by default); return the summary."""
+    import torch
+
+    env = env or read_env()
+    comm = comm or world()
+    torch.set_num_threads(env.torch_threads())
+
+    # -- check everything before anything is written --------------------------------------------------
+    error: HpctrainError | None = None
+    shards: ShardSet | None = None
+    model = None
+    resume_path: Path | None = None
+    warnings: list[str] = []
+    try:
+        shards = load_manifest(cfg.data)
+        shards.check_world(comm.size)
+        if cfg.init_weights is not None and not cfg.init_weights.is_file():
+            raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model, shards.x_shape, shards.num_classes)
+        resume_path = _resolve_resume(cfg, warnings.append)
+    except HpctrainError as exc:
+        error = exc
+    _agree(comm, error)
+    assert shards is not None and model is not None
+
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    log = _setup_logging(cfg.run_dir, comm.rank)
+    for w in warnings:
+        log.warning(w)
+        if comm.rank == 0:
+            print(f"warning: {w}", file=sys.stderr)
+    log.info("world %d, rank %d, local rank %d, launcher %s, torch threads %d", comm.size, comm.rank,
+             env.local_rank, env.launcher, torch.get_num_threads())
+    if comm.rank == 0:
+        _write_config(cfg)
+
+    # -- build: model (rank 0's weights everywhere), optimizer, schedule, gradient sync, readers ----------
+    if cfg.init_weights is not None and comm.rank == 0:
+        try:
+            model.load_state_dict(torch.load(cfg.init_weights, map_location="cpu", weights_only=True))
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = ConfigError(f"--init-weights {str(cfg.init_weights)!r} does not fit model {cfg.model!r}: {exc}")
+    _agree(comm, error if comm.rank == 0 else None)
+    comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
+    torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
+
+    reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=cfg.batch_size,
+                         shuffle=cfg.shuffle, seed=cfg.seed)
+    val_reader = (ShardReader(shards, "val", rank=comm.rank, world=comm.size, batch_size=max(cfg.batch_size, 256),
+                              shuffle=False, prefetch=0) if "val" in shards.splits else None)
+    steps_per_epoch = reader.steps_per_epoch
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    optimizer = _optimizer(cfg, model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg.schedule, total_steps))
+    sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress)
+    manager = ckpt.CheckpointManager(cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, log=log.error)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+
+    step, start_epoch, start_in_epoch, resumed_from = 0, 0, 0, None
+    metrics_path = cfg.run_dir / "metrics.jsonl"
+    audit_path = cfg.run_dir / "samples" / f"rank-{comm.rank:04d}.txt"
+    if resume_path is not None:
+        state = _load_checkpoint(resume_path, comm)
+        meta = state["meta"]
+        if meta["data_fingerprint"] != shards.fingerprint:
+            _agree(comm, CheckpointError(
+                f"checkpoint {str(resume_path)!r} was written for another dataset (manifest fingerprint "
+                f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shards.fingerprint[:12]}): "
+                "point --data at the original shards or start a new --run-dir"))
+        if meta["world_size"] != comm.size and meta["step_in_epoch"] != 0:
+            _agree(comm, CheckpointError(
+                f"checkpoint {str(resume_path)!r} stopped mid-epoch on {meta['world_size']} ranks; resume it on "
+                f"{meta['world_size']} ranks (this job has {comm.size})"))
+        for change in _config_changes(meta.get("config", {}), cfg.to_dict()):
+            log.warning("config changed since the checkpoint: %s", change)
+            if comm.rank == 0:
+                print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["train"]["optimizer"])
+        scheduler.load_state_dict(state["train"]["scheduler"])
+        step = int(meta["step"])
+        start_epoch, start_in_epoch = int(meta["epoch"]), int(meta["step_in_epoch"])
+        resumed_from = step
+        if meta["world_size"] == comm.size:
+            mine = state["ranks"][comm.rank]
+            _set_rng_state(mine["rng"])
+            if cfg.audit_samples:
+                _truncate_lines(audit_path, mine["audit_lines"])
+        if comm.rank == 0:
+            _keep_metrics(metrics_path, step)
+        log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", resume_path, step, start_epoch, start_in_epoch)
+    elif comm.rank == 0 and metrics_path.exists():
+        metrics_path.unlink()
+    if cfg.audit_samples:
+        audit_path.parent.mkdir(parents=True, exist_ok=True)
+        if resumed_from is None and audit_path.exists():
+            audit_path.unlink()
+    comm.barrier()
+
+    stop = _StopFlag()
+    stop.install()
+    metrics = open(metrics_path, "a") if comm.rank == 0 else None
+    audit = open(audit_path, "a") if cfg.audit_samples else None
+    audit_lines = sum(1 for _ in open(audit_path)) if audit is not None and audit_path.exists() else 0
+    interactive = comm.rank == 0 and cfg.progress and not cfg.json and sys.stderr.isatty()
+    bar = Progress(total_steps, "train", enabled=interactive, unit="steps")
+    bar.update(step)
+    window = {"loss": 0.0, "n": 0.0, "t": time.perf_counter(), "step_s": 0.0, "comm_s": 0.0, "data_s": 0.0, "steps": 0}
+    last_val: dict[str, float] = {}
+    epoch_loss = {"sum": 0.0, "n": 0.0}
+    train_start = time.perf_counter()
+    samples_seen = 0
+    stop_signal: int | None = None
+
+    def state_for(epoch: int, in_epoch: int) -> dict[str, Any]:
+        return dict(
+            model_state=model.state_dict(),
+            train_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            rank_state={"rng": _rng_state(), "audit_lines": audit_lines},
+            meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": comm.size,
+                  "data_fingerprint": shards.fingerprint, "config": cfg.to_dict(),
+                  "param_sha256": None},
+        )
+
+    try:
+        epoch = start_epoch
+        while step < total_steps:
+            model.train()
+            first = start_in_epoch if epoch == start_epoch else 0
+            batches = reader.epoch(epoch, first)
+            in_epoch = first
+            t_data = time.perf_counter()
+            for batch in batches:
+                t0 = time.perf_counter()
+                data_s = t0 - t_data
+                sizes = reader.step_sizes(in_epoch)
+                global_n = int(sizes.sum())
+                sync.zero()
+                n_local = len(batch.y)
+                if n_local:
+                    x = torch.from_numpy(batch.x)
+                    if x.dtype != torch.float32:
+                        x = x.float()
+                    y = torch.from_numpy(batch.y)
+                    loss_sum = loss_fn(model(x), y)
+                    (loss_sum / global_n).backward()
+                    loss_value = float(loss_sum.detach())
+                else:
+                    loss_value = 0.0
+                sync.wait()
+                if cfg.clip_grad:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                in_epoch += 1
+                samples_seen += global_n
+                if audit is not None and n_local:
+                    np.savetxt(audit, np.column_stack([np.full(n_local, epoch), batch.index]), fmt="%d")
+                    audit_lines += n_local
+                t1 = time.perf_counter()
+                window["loss"] += loss_value
+                window["n"] += n_local
+                window["step_s"] += t1 - t0
+                window["comm_s"] += sync.comm_seconds
+                window["data_s"] += data_s
+                window["steps"] += 1
+                epoch_loss["sum"] += loss_value
+                epoch_loss["n"] += n_local
+                end_of_epoch = in_epoch == steps_per_epoch
+                last = step >= total_steps
+                if step % cfg.log_every == 0 or end_of_epoch or last:
+                    loss_tot, n_tot = comm.allreduce_array([window["loss"], window["n"]])
+                    elapsed = time.perf_counter() - window["t"]
+                    record = {
+                        "step": step, "epoch": epoch, "loss": loss_tot / max(1.0, n_tot),
+                        "lr": scheduler.get_last_lr()[0],
+                        "samples_per_s": n_tot / max(elapsed, 1e-9),
+                        "step_ms": 1000 * window["step_s"] / window["steps"],
+                        "comm_ms": 1000 * window["comm_s"] / window["steps"],
+                        "data_ms": 1000 * window["data_s"] / window["steps"],
+                    }
+                    if end_of_epoch and val_reader is not None:
+                        last_val = evaluate(model, val_reader, comm)
+                        record.update(last_val)
+                    if end_of_epoch:
+                        e_loss, e_n = comm.allreduce_array([epoch_loss["sum"], epoch_loss["n"]])
+                        record["epoch_train_loss"] = e_loss / max(1.0, e_n)
+                        epoch_loss = {"sum": 0.0, "n": 0.0}
+                    if metrics is not None:
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                    log.info("step %d epoch %d loss %.4f %s", step, epoch, record["loss"],
+                             " ".join(f"{k} {v:.4f}" for k, v in last_val.items()) if end_of_epoch else "")
+                    if comm.rank == 0 and not interactive and not cfg.json and (end_of_epoch or last):
+                        val = f"  val_loss {last_val['val_loss']:.4f}  val_accuracy {last_val['val_accuracy']:.4f}" if end_of_epoch and last_val else ""
+                        print(f"epoch {epoch} step {step}/{total_steps}  loss {record['loss']:.4f}{val}  "
+                              f"{record['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
+                    window = {"loss": 0.0, "n": 0.0, "t": time.perf_counter(), "step_s": 0.0, "comm_s": 0.0,
+                              "data_s": 0.0, "steps": 0}
+                bar.update(1, loss=f"{loss_value / max(1, n_local):.4f}", epoch=epoch)
+                position = (epoch + 1, 0) if end_of_epoch else (epoch, in_epoch)
+                if comm.any(stop.signum is not None):
+                    stop_signal = stop.signum or signal.SIGTERM
+                    manager.save(step, **state_for(*position), force=True, wait=True)
+                    break
+                manager.save(step, **state_for(*position), force=last, wait=last)
+                t_data = time.perf_counter()
+                if last:
+                    break
+            batches.close()
+            if stop_signal is not None:
+                break
+            epoch += 1
+        manager.wait()
+    finally:
+        bar.close()
+        stop.restore()
+        sync.close()
+        reader.close()
+        if val_reader is not None:
+            val_reader.close()
+        if metrics is not None:
+            metrics.close()
+        if audit is not None:
+            audit.close()
+    if stop_signal is not None:
+        name = signal.Signals(stop_signal).name
+        log.warning("stopped by %s at step %d; checkpoint written", name, step)
+        raise StopRequested(f"stopped by {name} at step {step}; checkpoint written to "
+                            f"{cfg.run_dir / 'checkpoints' / ckpt.step_dir_name(step)}; continue with --resume auto")
+
+    train_time = time.perf_counter() - train_start
+    if not last_val and val_reader is not None:
+        last_val = evaluate(model, val_reader, comm)
+    digest = param_sha256(model)
+    hashes = comm.allgather(digest)
+    e_loss, e_n = comm.allreduce_array([epoch_loss["sum"], epoch_loss["n"]])
+    final_loss = _last_train_loss(metrics_path, comm) if e_n == 0 else e_loss / e_n
+    summary = {
+        "world_size": comm.size,
+        "epochs": math.ceil(step / max(1, steps_per_epoch)),
+        "steps": step,
+        "global_batch_size": cfg.batch_size * comm.size,
+        "train_loss": final_loss,
+        "val_loss": last_val.get("val_loss"),
+        "val_accuracy": last_val.get("val_accuracy"),
+        "samples_per_s": samples_seen / max(train_time, 1e-9) if samples_seen else None,
+        "train_time_s": train_time,
+        "param_sha256": digest,
+        "ranks_in_sync": len(set(hashes)) == 1,
+        "resumed_from": resumed_from,
+        "model": cfg.model,
+        "data": str(cfg.data),
+        "data_fingerprint": shards.fingerprint,
+    }
+    if comm.rank == 0:
+        tmp = cfg.run_dir / ".model.pt.tmp"
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(cfg.run_dir / "model.pt")
+        _write_json_atomic(cfg.run_dir / "summary.json", summary)
+    log.info("done: %s", json.dumps(summary))
+    if not summary["ranks_in_sync"]:
+        raise HpctrainError(f"ranks ended with different parameters ({sorted(set(hashes))}); this is a bug, please report it")
+    return summary
+
+
+def _last_train_loss(metrics_path: Path, comm: Comm) -> float | None:
+    value = None
+    if comm.rank == 0 and metrics_path.exists():
+        for line in metrics_path.read_text().splitlines():
+            value = json.loads(line).get("epoch_train_loss", value)
+    return comm.bcast(value)
+
+
+def evaluate(model: Any, reader: ShardReader, comm: Comm) -> dict[str, float]:
+    """Validation loss and accuracy over all ranks' validation shards."""
+    import torch
+
+    model.eval()
+    loss_sum = correct = n = 0.0
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    with torch.no_grad():
+        for batch in reader.epoch(0):
+            if not len(batch.y):
+                continue
+            x = torch.from_numpy(batch.x).float()
+            y = torch.from_numpy(batch.y)
+            out = model(x)
+            loss_sum += float(loss_fn(out, y))
+            correct += float((out.argmax(1) == y).sum())
+            n += len(y)
+    model.train()
+    loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])
+    return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}
+
+
+def _load_checkpoint(path: Path, comm: Comm) -> dict[str, Any]:
+    """Rank 0 reads the checkpoint and broadcasts it: one reader per job."""
+    state, error = None, None
+    if comm.rank == 0:
+        try:
+            state = ckpt.load_files(path)
+        except HpctrainError as exc:
+            error = exc
+    _agree(comm, error if comm.rank == 0 else None)
+    return comm.bcast(state)
+
+
+def _write_config(cfg: TrainConfig) -> None:
+    """The resolved config, as TOML, beside the run."""
+    lines = []
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))
+        lines.append(f"{key} = {text}")
+    (cfg.run_dir / "config.toml").write_text("\n".join(lines) + "\n")
+
+
