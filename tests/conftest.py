@@ -1,0 +1,54 @@
+"""Shared test helpers: run hpctrain under a real `mpirun`, and small real datasets on tmp_path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def mpi_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def mpirun(n: int, args: list[str], *, timeout: float = 300, check: bool = True, python_module: bool = True,
+           cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m hpctrain ARGS` (or a python script when python_module is False) on n real MPI ranks."""
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none", PYTHON]
+    cmd += ["-m", "hpctrain", *args] if python_module else list(args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or mpi_env(), cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def hpctrain(args: list[str], *, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI as a user would, in a fresh process with no launcher."""
+    proc = subprocess.run([PYTHON, "-m", "hpctrain", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env or mpi_env(), cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hpctrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def digits2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits dataset in 2 shards (read-only for tests)."""
+    out = tmp_path_factory.mktemp("digits") / "data"
+    hpctrain(["shard", "digits", str(out), "--shards", "2"])
+    return out

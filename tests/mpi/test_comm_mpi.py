@@ -1,0 +1,16 @@
+"""The comm layer under real mpirun at 1, 2 and 3 ranks: broadcast, and summed gradients in every mode."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import mpirun
+
+SCRIPT = Path(__file__).parent / "scripts" / "comm_check.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gradient_sync_and_broadcast(n: int) -> None:
+    proc = mpirun(n, [str(SCRIPT)], python_module=False, timeout=240)
+    assert f"COMM OK {n}" in proc.stdout

@@ -1,0 +1,90 @@
+"""The per-rank reader: exactly once per epoch, equal step counts, deterministic order, exact resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpctrain.config import ShardConfig
+from hpctrain.data import ShardReader, load_manifest
+from hpctrain.errors import ConfigError
+from hpctrain.sharding import shard
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("u") / "d"
+    # 4 train shards of 9, 10, 10, 10 samples
+    shard(ShardConfig(source="synthetic:39:5:3", out=out, shards=4, val_fraction=0), show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bigger(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("b") / "d"
+    shard(ShardConfig(source="synthetic:5003:4:3", out=out, shards=4, val_fraction=0), show_progress=False)
+    return out
+
+
+def epoch_ids(data: Path, world: int, epoch: int, **kw) -> list[np.ndarray]:
+    shards = load_manifest(data)
+    ids = []
+    for rank in range(world):
+        r = ShardReader(shards, "train", rank=rank, world=world, **kw)
+        ids.append(np.concatenate([b.index for b in r.epoch(epoch)]))
+        r.close()
+    return ids
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_every_sample_once_per_epoch(bigger: Path, world: int, shuffle: bool) -> None:
+    for epoch in (0, 1):
+        ids = np.concatenate(epoch_ids(bigger, world, epoch, batch_size=64, shuffle=shuffle, seed=3, block_rows=100,
+                                       window_rows=700))
+        assert len(ids) == 5003 and len(np.unique(ids)) == 5003
+
+
+def test_equal_steps_on_uneven_shards(uneven: Path) -> None:
+    shards = load_manifest(uneven)
+    readers = [ShardReader(shards, "train", rank=r, world=2, batch_size=4) for r in range(2)]
+    assert list(readers[0].counts) == [19, 20]
+    assert readers[0].steps_per_epoch == readers[1].steps_per_epoch == 5
+    sizes = [[len(b.y) for b in r.epoch(0)] for r in readers]
+    assert sizes == [[4, 4, 4, 4, 3], [4, 4, 4, 4, 4]]
+    assert list(readers[1].step_sizes(4)) == [3, 4]
+
+
+def test_shuffle_is_a_function_of_seed_epoch_rank_world(bigger: Path) -> None:
+    a = epoch_ids(bigger, 2, 0, batch_size=32, seed=1)
+    assert all(np.array_equal(x, y) for x, y in zip(a, epoch_ids(bigger, 2, 0, batch_size=32, seed=1)))
+    assert not np.array_equal(a[0], epoch_ids(bigger, 2, 1, batch_size=32, seed=1)[0])
+    assert not np.array_equal(a[0], epoch_ids(bigger, 2, 0, batch_size=32, seed=2)[0])
+
+
+def test_no_shuffle_walks_shards_in_file_order(bigger: Path) -> None:
+    shards = load_manifest(bigger)
+    import h5py
+
+    expected = np.concatenate([h5py.File(f.path, "r")["index"][()] for f in shards.rank_shards("train", 1, 2)])
+    got = np.concatenate([b.index for b in ShardReader(shards, "train", rank=1, world=2, batch_size=50,
+                                                       shuffle=False).epoch(0)])
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_resume_mid_epoch_replays_the_rest(bigger: Path, shuffle: bool) -> None:
+    shards = load_manifest(bigger)
+    r = ShardReader(shards, "train", rank=0, world=2, batch_size=64, shuffle=shuffle, block_rows=128, window_rows=512)
+    full = [b.index for b in r.epoch(2)]
+    tail = [b.index for b in r.epoch(2, start_step=7)]
+    assert len(tail) == len(full) - 7
+    assert all(np.array_equal(a, b) for a, b in zip(full[7:], tail))
+    np.testing.assert_array_equal(np.concatenate(full[:7]), r.consumed(2, 7))
+
+
+def test_world_must_divide_shards(uneven: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot share evenly"):
+        ShardReader(load_manifest(uneven), "train", rank=0, world=3, batch_size=4)
