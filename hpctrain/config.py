@@ -102,12 +102,13 @@ class TrainConfig:
     """Complete checkpoints to keep (at least 2)."""
     resume: str = "auto"
     """auto (latest complete checkpoint in run_dir, else fresh), never, or a checkpoint directory."""
-    bucket_mb: float = 4.0
-    """Size of one gradient bucket in MiB."""
+    bucket_mb: float = 25.0
+    """Size of one gradient bucket in MiB (25 measured best on the reference MLP; see README)."""
     compress: str = "none"
     """Wire format of the gradient allreduce: none, fp16 or bf16."""
-    overlap: bool = True
-    """Start each bucket's allreduce during backward, on the communication thread."""
+    overlap: bool | None = None
+    """Start each bucket's allreduce during backward on a communication thread; None (auto): only when the
+    rank has a spare CPU for that thread or computes on a GPU (on one core per rank it measured slower)."""
     audit_samples: bool = False
     """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
     log_every: int = 10

@@ -1,0 +1,226 @@
+"""`hpctrain bench`: the measurements behind the performance numbers in the README.
+
+Every function runs on all ranks of the communicator it is given (start it with `hpctrain launch -n N --
+bench ...`, or let the CLI launch itself) and returns, on every rank, a plain dict of results.
+
+- `bench_allreduce`: bus and algorithm bandwidth per message size, hpctrain's bucketed sync beside a raw
+  mpi4py `Allreduce` of the same bytes (like nccl-tests).
+- `bench_train`: the training step of `hpctrain train` (the same `train_step`) beside torch DDP (gloo) on
+  the same model, batch and data, in one launch; plus the step on one rank alone (for scaling
+  efficiency) and the sync of all gradients beside one raw allreduce of the same bytes.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .comm import Comm, GradSync
+from .env import read_env
+from .errors import ConfigError
+
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        value = int(float(t[: len(t) - len(unit)]) * units[unit])
+    except ValueError:
+        raise ConfigError(f"bad size {text!r} in --sizes: write e.g. 4K,64K,1M,16M") from None
+    if value < 4:
+        raise ConfigError(f"size {text!r} in --sizes is below one float32 (4 bytes)")
+    return value
+
+
+def _median_time(comm: Comm, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    comm.barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    # the slowest rank's median is what a job sees
+    return float(comm.allreduce_array([statistics.median(times)], op="max")[0])
+
+
+def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, iters: int | None = None) -> dict[str, Any]:
+    """Allreduce time and bandwidth per size: raw mpi4py vs hpctrain's bucketed GradSync."""
+    import torch
+
+    from .comm import _mpi
+
+    MPI = _mpi()
+    rows = []
+    n = comm.size
+    for size in sizes:
+        count = max(1, size // 4)
+        reps = iters or int(min(200, max(5, (64 << 20) // max(size, 1) // 4)))
+        raw = np.ones(count, np.float32)
+        raw_s = _median_time(comm, lambda: comm.mpi.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM), reps)
+        param = torch.nn.Parameter(torch.zeros(count))
+        sync = GradSync([param], comm, bucket_mb=bucket_mb, overlap=False)
+        hp_s = _median_time(comm, sync.wait, reps)
+        sync.close()
+        bus = 2 * (n - 1) / n if n > 1 else 1.0
+        rows.append({
+            "bytes": count * 4,
+            "raw_ms": raw_s * 1e3, "hpctrain_ms": hp_s * 1e3,
+            "raw_algbw_gbs": count * 4 / raw_s / 1e9, "raw_busbw_gbs": count * 4 / raw_s / 1e9 * bus,
+            "hpctrain_algbw_gbs": count * 4 / hp_s / 1e9, "hpctrain_busbw_gbs": count * 4 / hp_s / 1e9 * bus,
+            "ratio": hp_s / raw_s,
+        })
+    return {"world_size": n, "bucket_mb": bucket_mb, "sizes": rows}
+
+
+def _idle_wait(comm: Comm) -> None:
+    """Wait for rank 0 without spinning a core (an MPI barrier busy-polls and would steal rank 0's CPU)."""
+    req = comm.mpi.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int = 784, classes: int = 10,
+                batch_size: int = 64, steps: int = 30, rounds: int = 3, bucket_mb: float = 25.0,
+                baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none") -> dict[str, Any]:
+    """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling."""
+    import torch
+
+    from .models import build_model
+    from .trainer import train_step
+
+    env = read_env()
+    torch.set_num_threads(env.torch_threads())
+    rng = np.random.default_rng(comm.rank)
+    xs = [rng.standard_normal((batch_size, input_dim), dtype=np.float32) for _ in range(8)]
+    ys = [rng.integers(0, classes, batch_size) for _ in range(8)]
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+
+    def fresh_model() -> Any:
+        torch.manual_seed(0)
+        return build_model(model_spec, (input_dim,), classes)
+
+    # hpctrain: the exact step `hpctrain train` runs
+    if overlap is None:
+        from .trainer import auto_overlap
+
+        overlap = auto_overlap(env, "cpu")
+    model = fresh_model()
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sync = GradSync(model.parameters(), comm, bucket_mb=bucket_mb, overlap=overlap, compress=compress)
+    global_n = batch_size * comm.size
+    counter = [0]
+    comm_times: list[float] = []
+
+    def hp_step() -> None:
+        i = counter[0] % len(xs)
+        counter[0] += 1
+        train_step(model, sync, opt, loss_fn, xs[i], ys[i], global_n)
+        comm_times.append(sync.comm_seconds)
+
+    ddp_step = None
+    if baseline == "ddp" and comm.size > 1:
+        import torch.distributed as dist
+
+        port = 0
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        host, port = comm.bcast((socket.gethostname() if comm.size > env.local_size else "127.0.0.1", port))
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size)
+        ddp_model = torch.nn.parallel.DistributedDataParallel(fresh_model())
+        ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+        ddp_loss = torch.nn.CrossEntropyLoss()
+
+        def ddp_step() -> None:  # noqa: F811 - the baseline as DDP users write it
+            i = counter[0] % len(xs)
+            counter[0] += 1
+            ddp_opt.zero_grad(set_to_none=True)
+            ddp_loss(ddp_model(torch.from_numpy(xs[i])), torch.from_numpy(ys[i])).backward()
+            ddp_opt.step()
+    elif baseline not in (None, "none", "ddp"):
+        raise ConfigError(f"unknown --baseline {baseline!r}: choose ddp or none")
+
+    hp_times: list[float] = []
+    ddp_times: list[float] = []
+    for _ in range(2):
+        hp_step()
+        if ddp_step:
+            ddp_step()
+    comm_times.clear()
+    for _ in range(rounds):
+        hp_times.append(_median_time(comm, hp_step, steps, warmup=1))
+        if ddp_step:
+            ddp_times.append(_median_time(comm, ddp_step, steps, warmup=1))
+    hp_ms = statistics.median(hp_times) * 1e3
+    result: dict[str, Any] = {
+        "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
+        "torch_threads": torch.get_num_threads(), "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress,
+        "hpctrain": {"step_ms": hp_ms, "samples_per_s": global_n / hp_ms * 1e3,
+                     "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
+    }
+    if ddp_step:
+        ddp_ms = statistics.median(ddp_times) * 1e3
+        result["ddp"] = {"step_ms": ddp_ms, "samples_per_s": global_n / ddp_ms * 1e3}
+        result["ddp_over_hpctrain"] = ddp_ms / hp_ms
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+    # sync of all gradients alone, beside one raw allreduce of the same bytes
+    if comm.size > 1:
+        from .comm import _mpi
+
+        MPI = _mpi()
+        flat = np.ones(params, np.float32)
+        raw_ms = _median_time(comm, lambda: comm.mpi.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM), 20) * 1e3
+
+        sync_times = []
+        for _ in range(22):
+            sync.zero()  # zeroing belongs to the next step, not to the sync: keep it out of the timing
+            comm.barrier()
+            t0 = time.perf_counter()
+            sync.wait()
+            sync_times.append(time.perf_counter() - t0)
+        sync_ms = float(comm.allreduce_array([statistics.median(sync_times[2:])], op="max")[0]) * 1e3
+        result.update(sync_ms=sync_ms, raw_allreduce_ms=raw_ms, sync_over_raw=sync_ms / raw_ms)
+    sync.close()
+
+    # one rank alone on the machine: the others wait without spinning
+    if comm.rank == 0:
+        from .comm import self_comm
+
+        solo_comm = self_comm()
+        solo = GradSync(model.parameters(), solo_comm, bucket_mb=bucket_mb)
+        solo_times = []
+        for _ in range(rounds):
+            for _ in range(2):
+                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size)
+            ts = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size)
+                ts.append(time.perf_counter() - t0)
+            solo_times.append(statistics.median(ts))
+        solo.close()
+        one_ms = statistics.median(solo_times) * 1e3
+    else:
+        one_ms = 0.0
+    if comm.size > 1 and comm.rank != 0:
+        _idle_wait(comm)
+    elif comm.size > 1:
+        comm.mpi.Ibarrier().Wait()
+    one_ms = float(comm.bcast(one_ms))
+    result["single_rank_step_ms"] = one_ms
+    result["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * batch_size / one_ms)
+    return result

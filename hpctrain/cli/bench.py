@@ -1,0 +1,106 @@
+"""`hpctrain bench allreduce | train`: the benchmarks behind the README's numbers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from .common import handle_errors, is_rank0
+
+app = typer.Typer(help="Measure allreduce bandwidth and training step time.", no_args_is_help=True)
+
+
+def _relaunch(n: int) -> None:
+    """Started without a launcher and asked for n > 1 ranks: run this same command under `hpctrain launch`."""
+    from ..env import read_env
+    from ..launch import launch
+
+    if n > 1 and not read_env().under_launcher:
+        argv = sys.argv[1:]
+        cleaned, skip = [], False
+        for i, a in enumerate(argv):
+            if skip:
+                skip = False
+                continue
+            if a in ("-n", "--np"):
+                skip = True
+                continue
+            if a.startswith("--np="):
+                continue
+            cleaned.append(a)
+        raise typer.Exit(launch(n, cleaned))
+
+
+@app.command()
+@handle_errors
+def allreduce(
+    sizes: Annotated[str, typer.Option(help="Message sizes in bytes (K, M, G suffixes).")] = "4K,64K,1M,16M,64M",
+    n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
+    bucket_mb: Annotated[float, typer.Option(help="hpctrain bucket size in MiB.")] = 25.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Allreduce time, algorithm and bus bandwidth per size: hpctrain's bucketed sync beside raw mpi4py.
+
+    Example: hpctrain bench allreduce -n 2 --sizes 4K,1M,16M --json
+    """
+    _relaunch(n)
+    from ..bench import bench_allreduce, parse_size
+    from ..comm import world
+
+    result = bench_allreduce(world(), [parse_size(s) for s in sizes.split(",") if s.strip()], bucket_mb=bucket_mb)
+    if not is_rank0():
+        return
+    if json_out:
+        print(json.dumps(result))
+        return
+    print(f"allreduce on {result['world_size']} ranks (float32, in place); busbw = algbw x 2(n-1)/n")
+    print(f"{'bytes':>12} {'raw ms':>9} {'raw busbw':>10} {'hpctrain ms':>12} {'busbw':>9} {'ratio':>6}")
+    for r in result["sizes"]:
+        print(f"{r['bytes']:>12} {r['raw_ms']:>9.3f} {r['raw_busbw_gbs']:>8.2f}GB/s {r['hpctrain_ms']:>12.3f} "
+              f"{r['hpctrain_busbw_gbs']:>7.2f}GB/s {r['ratio']:>6.2f}")
+
+
+@app.command()
+@handle_errors
+def train(
+    model: Annotated[str, typer.Option(help="Model spec (the reference is mlp:2048,2048 on 784 inputs).")] = "mlp:2048,2048",
+    input_dim: Annotated[int, typer.Option(help="Input features.")] = 784,
+    batch_size: Annotated[int, typer.Option(help="Samples per rank per step.")] = 64,
+    steps: Annotated[int, typer.Option(help="Measured steps per round.")] = 30,
+    rounds: Annotated[int, typer.Option(help="Rounds, alternating hpctrain and the baseline.")] = 3,
+    baseline: Annotated[Optional[str], typer.Option(help="ddp (torch DDP, gloo) or none.")] = "ddp",
+    bucket_mb: Annotated[float, typer.Option(help="hpctrain bucket size in MiB.")] = 25.0,
+    overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Overlap allreduce with backward (default: as train decides).", show_default=False)] = None,
+    compress: Annotated[str, typer.Option(help="Wire format: none, fp16 or bf16.")] = "none",
+    n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Training step time of hpctrain beside torch DDP (gloo), one-rank scaling, and sync vs raw allreduce.
+
+    Example: hpctrain bench train -n 2 --baseline ddp --json
+    """
+    _relaunch(n)
+    from ..bench import bench_train
+    from ..comm import world
+
+    result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
+                         rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=compress)
+    if not is_rank0():
+        return
+    if json_out:
+        print(json.dumps(result))
+        return
+    hp = result["hpctrain"]
+    print(f"{result['model']} ({result['parameters']:,} parameters), batch {result['batch_size']}/rank, "
+          f"{result['world_size']} ranks, {result['torch_threads']} torch thread(s) per rank")
+    print(f"  hpctrain step      {hp['step_ms']:8.2f} ms  {hp['samples_per_s']:9.0f} samples/s  (exposed comm {hp['comm_ms']:.2f} ms)")
+    if "ddp" in result:
+        print(f"  DDP (gloo) step    {result['ddp']['step_ms']:8.2f} ms  {result['ddp']['samples_per_s']:9.0f} samples/s")
+        print(f"  DDP / hpctrain     {result['ddp_over_hpctrain']:8.2f}x")
+    if "sync_ms" in result:
+        print(f"  sync all grads     {result['sync_ms']:8.2f} ms  vs one raw Allreduce {result['raw_allreduce_ms']:.2f} ms "
+              f"({result['sync_over_raw']:.2f}x)")
+    print(f"  one rank alone     {result['single_rank_step_ms']:8.2f} ms  scaling efficiency {result['scaling_efficiency']:.2f}")
