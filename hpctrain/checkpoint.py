@@ -212,7 +212,7 @@ class CheckpointManager:
         _write_bytes(tmp / MARKER, b"")
         _fsync_dir(tmp)
         if final.exists():  # a stale one from an earlier, diverged attempt at the same step
-            shutil.rmtree(final)
+            _discard(final)
         tmp.rename(final)
         _fsync_dir(self.root)
         self._prune()
@@ -224,7 +224,15 @@ class CheckpointManager:
             if (path / MARKER).is_file():
                 complete += 1
                 if complete > self.keep:
-                    shutil.rmtree(path, ignore_errors=True)
-        for junk in self.root.glob(".tmp-step-*"):
+                    _discard(path)
+        for junk in [*self.root.glob(".tmp-step-*"), *self.root.glob(".trash-*")]:
             if not junk.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(junk, ignore_errors=True)
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint directory: first renamed out of the listing (atomic), then deleted, so a crash
+    half-way through the deletion never leaves a listed checkpoint with files missing."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)

@@ -13,8 +13,10 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -262,8 +264,9 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         log.warning(w)
         if comm.rank == 0:
             print(f"warning: {w}", file=sys.stderr)
-    log.info("world %d, rank %d, local rank %d, launcher %s, device %s, torch threads %d", comm.size, comm.rank,
-             env.local_rank, env.launcher, device, torch.get_num_threads())
+    log.info("world %d, rank %d, local rank %d, pid %d, host %s, launcher %s, device %s, torch threads %d",
+             comm.size, comm.rank, env.local_rank, os.getpid(), socket.gethostname(), env.launcher, device,
+             torch.get_num_threads())
     if comm.rank == 0:
         _write_config(cfg)
 
