@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import threading
@@ -70,12 +71,31 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-def _serialize(obj: Any) -> bytes:
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through: torch.save streams into it, no second copy."""
+
+    def __init__(self, fh: Any):
+        self.fh = fh
+        self.sha = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        return self.fh.write(data)
+
+
+def _save_hashed(path: Path, obj: Any) -> str:
+    """torch.save `obj` to `path`, fsynced; return the sha256 of the bytes written."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    with open(path, "wb") as fh:
+        writer = _HashingWriter(fh)
+        torch.save(obj, writer)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return writer.sha.hexdigest()
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -134,8 +154,8 @@ def load_files(path: Path) -> dict[str, Any]:
 class CheckpointManager:
     """Owns the checkpoint policy of one run. The trainer calls `save(step, ...)` at every step boundary."""
 
-    def __init__(self, run_dir: Path, comm: Any, *, every: int = 0, keep: int = 2, asynchronous: bool = True,
-                 log: Any = None):
+    def __init__(self, run_dir: Path, comm: Any, *, every: int | str = 0, keep: int = 2, asynchronous: bool = True,
+                 mtbf_hours: float = 24.0, log: Any = None):
         if keep < 2:
             raise CheckpointError(f"keep {keep} must be at least 2")
         self.root = Path(run_dir) / "checkpoints"
@@ -149,15 +169,48 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self.stall_seconds = 0.0
         self.write_seconds = 0.0
+        self.saves = 0
+        self.mtbf_s = mtbf_hours * 3600.0
+        self._last_time = time.monotonic()
+
+    def interval_seconds(self) -> float:
+        """Young/Daly: the checkpoint interval that minimizes expected lost work, sqrt(2 x cost x MTBF).
+
+        The cost is the measured stall plus the background write (conservative: the write mostly overlaps
+        training); before any save is measured, one second is assumed.
+        """
+        cost = (self.stall_seconds + self.write_seconds) / self.saves if self.saves else 1.0
+        return math.sqrt(2.0 * max(cost, 1e-3) * self.mtbf_s)
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0 and step != self.last_saved
-
-    def save(self, step: int, *, model_state: dict, train_state: dict, rank_state: dict, meta: dict,
-             force: bool = False, wait: bool = False) -> bool:
-        """Write a checkpoint of `step` when due (or `force`); a collective: every rank must call it."""
-        if not (force or self.due(step)) or step == self.last_saved:
+        """Whether a periodic checkpoint is due at `step`; with `auto`, only rank 0's answer counts (the
+        trainer agrees on it collectively, since clocks differ between ranks)."""
+        if step <= 0 or step == self.last_saved:
             return False
+        if self.every == "auto":
+            return time.monotonic() - self._last_time >= self.interval_seconds()
+        return bool(self.every) and step % int(self.every) == 0
+
+    def save(self, step: int, state: Any, *, stop_requested: bool = False, final: bool = False) -> bool:
+        """The trainer calls this at every step boundary, on every rank; returns True when the run must stop.
+
+        One small allreduce agrees whether any rank was asked to stop (a signal) and whether a checkpoint
+        is due (rank 0's answer: with `auto` the policy reads a clock, and clocks differ). A checkpoint is
+        then written when due, on a stop (synchronously) and at the last step (synchronously). `state` is
+        a dict with model_state, train_state, rank_state and meta, or a callable returning one (called only
+        when a checkpoint is written).
+        """
+        stopping, due = self.comm.allreduce_array([stop_requested, self.comm.rank == 0 and self.due(step)], op="max")
+        if stopping or due or final:
+            self._save(step, **(state() if callable(state) else state), wait=bool(stopping or final))
+        return bool(stopping)
+
+    def _save(self, step: int, *, model_state: dict, train_state: dict, rank_state: dict, meta: dict,
+              wait: bool = False) -> None:
+        if step == self.last_saved:
+            if wait:
+                self.wait()
+            return
         start = time.perf_counter()
         ranks = self.comm.gather(to_host(rank_state), root=0)
         if self.comm.rank == 0:
@@ -170,10 +223,11 @@ class CheckpointManager:
             else:
                 self._write(step, *snapshot)
         self.last_saved = step
+        self.saves += 1
+        self._last_time = time.monotonic()
         self.stall_seconds += time.perf_counter() - start
         if wait:
             self.wait()
-        return True
 
     def wait(self) -> None:
         """Block until the last save is on disk (collective), raising its error if it failed."""
@@ -205,9 +259,7 @@ class CheckpointManager:
         tmp.mkdir()
         digests = {}
         for name, obj in (("model.pt", model_state), ("train.pt", train_state), ("ranks.pt", ranks)):
-            data = _serialize(obj)
-            _write_bytes(tmp / name, data)
-            digests[name] = hashlib.sha256(data).hexdigest()
+            digests[name] = _save_hashed(tmp / name, obj)
         _write_bytes(tmp / "meta.json", json.dumps(dict(meta, sha256=digests), indent=2, default=str).encode())
         _write_bytes(tmp / MARKER, b"")
         _fsync_dir(tmp)

@@ -45,12 +45,16 @@ def _mpi() -> Any:
 
 
 class Comm:
-    """A thin wrapper around one mpi4py communicator with the collectives hpctrain uses."""
+    """A thin wrapper around one mpi4py communicator with the collectives hpctrain uses.
+
+    `Comm(None)` is a world of one that never initializes MPI (tools that run outside any job); every
+    collective below returns at once when the size is 1.
+    """
 
     def __init__(self, mpi_comm: Any):
         self.mpi = mpi_comm
-        self.rank: int = mpi_comm.Get_rank()
-        self.size: int = mpi_comm.Get_size()
+        self.rank: int = mpi_comm.Get_rank() if mpi_comm is not None else 0
+        self.size: int = mpi_comm.Get_size() if mpi_comm is not None else 1
 
     # -- small collectives -------------------------------------------------------------------------
     def barrier(self) -> None:

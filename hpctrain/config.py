@@ -96,8 +96,11 @@ class TrainConfig:
     """Shuffle each rank's samples every epoch (a pure function of seed, epoch, rank and world size)."""
     init_weights: Path | None = None
     """A state_dict (.pt) to start from instead of a fresh initialization."""
-    checkpoint_every: int = 0
-    """Write a checkpoint every this many steps (0: only at the end and on a stop signal)."""
+    checkpoint_every: int | str = "auto"
+    """Write a checkpoint every this many steps; 0: only at the end and on a stop signal; auto: at the
+    Young/Daly interval sqrt(2 x measured checkpoint cost x mtbf_hours)."""
+    mtbf_hours: float = 24.0
+    """Mean time between failures assumed by --checkpoint-every auto."""
     keep: int = 2
     """Complete checkpoints to keep (at least 2)."""
     resume: str = "auto"
@@ -128,7 +131,16 @@ class TrainConfig:
         for name, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size), ("--log-every", self.log_every)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} {value!r} must be a whole number of at least 1")
-        for name, value in (("--max-steps", self.max_steps), ("--checkpoint-every", self.checkpoint_every)):
+        if isinstance(self.checkpoint_every, str) and self.checkpoint_every != "auto":
+            try:
+                self.checkpoint_every = int(self.checkpoint_every)
+            except ValueError:
+                raise ConfigError(f"--checkpoint-every {self.checkpoint_every!r} must be auto or a whole number of steps (0: none)") from None
+        _positive("--mtbf-hours", self.mtbf_hours, "24")
+        checked = [("--max-steps", self.max_steps)]
+        if self.checkpoint_every != "auto":
+            checked.append(("--checkpoint-every", self.checkpoint_every))
+        for name, value in checked:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} {value!r} must be a whole number, 0 or more")
         _positive("--lr", self.lr, "0.05")

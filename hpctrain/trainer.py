@@ -297,7 +297,8 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.compress)
     log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s", len(sync.buckets), cfg.bucket_mb,
              sync.overlap, cfg.compress)
-    manager = ckpt.CheckpointManager(cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, log=log.error)
+    manager = ckpt.CheckpointManager(cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep,
+                                     mtbf_hours=cfg.mtbf_hours, log=log.error)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
     step, start_epoch, start_in_epoch, resumed_from = 0, 0, 0, None
@@ -432,11 +433,10 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                               "data_s": 0.0, "steps": 0}
                 bar.update(1, loss=f"{loss_value / max(1, n_local):.4f}", epoch=epoch)
                 position = (epoch + 1, 0) if end_of_epoch else (epoch, in_epoch)
-                if comm.any(stop.signum is not None):
+                if manager.save(step, lambda: state_for(*position), stop_requested=stop.signum is not None,
+                                final=last):
                     stop_signal = stop.signum or signal.SIGTERM
-                    manager.save(step, **state_for(*position), force=True, wait=True)
                     break
-                manager.save(step, **state_for(*position), force=last, wait=last)
                 t_data = time.perf_counter()
                 if last:
                     break
@@ -485,6 +485,8 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         "model": cfg.model,
         "data": str(cfg.data),
         "data_fingerprint": shards.fingerprint,
+        "checkpoint": {"saves": manager.saves, "stall_s": manager.stall_seconds, "write_s": manager.write_seconds,
+                       "interval_s": manager.interval_seconds() if cfg.checkpoint_every == "auto" else None},
     }
     if comm.rank == 0:
         tmp = cfg.run_dir / ".model.pt.tmp"

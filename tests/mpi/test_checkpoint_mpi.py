@@ -111,18 +111,19 @@ def test_kill_9_one_rank_ends_job_and_resume_is_bit_identical(digits2: Path, tmp
 SAVER = r"""
 import os, sys, torch
 from hpctrain.checkpoint import CheckpointManager
-from hpctrain.comm import self_comm
+from hpctrain.comm import Comm
 for line in sys.stdin:  # one forked saver per line; torch is imported once
     base = int(line)
     pid = os.fork()
     if pid == 0:
-        mgr = CheckpointManager(sys.argv[1], self_comm(), every=1, keep=2)
+        mgr = CheckpointManager(sys.argv[1], Comm(None), every=1, keep=2)  # one process, no MPI: forks cleanly
         state = {"w": torch.randn(3_000_000)}
         step = base
         while True:
             step += 1
             state["w"] += 1
-            mgr.save(step, model_state=state, train_state={"step": step}, rank_state={"r": 0}, meta={"step": step}, wait=True)
+            mgr.save(step, dict(model_state=state, train_state={"step": step}, rank_state={"r": 0}, meta={"step": step}),
+                     final=True)
     print(pid, flush=True)
     os.waitpid(pid, 0)
     print("dead", flush=True)
