@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 HPCTRAIN := $(VENV)/bin/hpctrain
 TORCH_VERSION ?= 2.13.0
-APT_PACKAGES := openmpi-bin libopenmpi-dev
+APT_PACKAGES := openmpi-bin libopenmpi-dev shellcheck
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 

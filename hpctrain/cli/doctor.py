@@ -1,12 +1,31 @@
-"""`hpctrain doctor` (issue 6: being written)."""
+"""`hpctrain doctor`: check MPI, mpi4py, CUDA-aware support, GPUs, the launcher, HDF5 and threads on every rank."""
 
-from .common import handle_errors
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from .common import handle_errors, is_rank0
 
 
 @handle_errors
-def doctor() -> None:
-    """Check MPI, mpi4py, CUDA-aware support, GPUs, Slurm, HDF5 and threads.
+def doctor(
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when any rank has a problem (for scripts and "
+                                         "an image's %test).")] = False,
+) -> None:
+    """Check MPI, mpi4py, CUDA-aware support, GPUs, Slurm, HDF5 and threads; print each problem with its fix.
 
-    Example: hpctrain doctor --json
+    Run it the way you run training (e.g. under srun or mpirun) to check every rank.
+
+    Example: srun --mpi=pmix -n 2 hpctrain doctor --json
     """
-    print("doctor: not written yet")
+    from ..doctor import doctor as run, format_report
+
+    report = run()
+    if is_rank0():
+        print(json.dumps(report) if json_out else format_report(report), flush=True)
+    if strict and not report["ok"]:
+        raise typer.Exit(1)
