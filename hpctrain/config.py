@@ -49,6 +49,16 @@ class ShardConfig:
     """Rows per HDF5 chunk; None picks about 1 MiB per chunk of x."""
     force: bool = False
     """Replace an existing OUT."""
+    image_size: str | None = None
+    """imagefolder: resize (shorter side) and center-crop every image to H or HxW pixels."""
+    channels: int | None = None
+    """imagefolder: 1 (grayscale) or 3 (RGB); default: what the images are."""
+    skip_bad: bool = False
+    """imagefolder: skip unreadable images (counted in the manifest) instead of stopping."""
+    workers: int = 0
+    """Decoding worker processes (0: one per CPU)."""
+    label_column: str | None = None
+    """FILE.parquet: the label column (default: the last column)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -58,6 +68,10 @@ class ShardConfig:
             raise ConfigError(f"--val-fraction {self.val_fraction!r} must be in [0, 1), e.g. --val-fraction 0.2")
         if self.compression not in COMPRESSIONS:
             raise one_of("--compression", self.compression, COMPRESSIONS)
+        if self.channels is not None and self.channels not in (1, 3):
+            raise ConfigError(f"--channels {self.channels!r} must be 1 (grayscale) or 3 (RGB)")
+        if not isinstance(self.workers, int) or self.workers < 0:
+            raise ConfigError(f"--workers {self.workers!r} must be 0 (one per CPU) or more")
         if self.chunk_rows is not None and self.chunk_rows < 1:
             raise ConfigError(f"--chunk-rows {self.chunk_rows!r} must be at least 1, or left out for automatic")
 

@@ -69,6 +69,20 @@ class ShardSet:
         canonical = json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canonical).hexdigest()
 
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        """x as train feeds it: stored integers (uint8 images) become float32 with the manifest's
+        normalization, (x * scale - mean[c]) / std[c] per channel c (axis 1); floats pass as they are."""
+        norm = self.manifest.get("normalization")
+        if norm is None or np.issubdtype(x.dtype, np.floating):
+            return x
+        out = x.astype(np.float32) * np.float32(norm.get("scale", 1.0))
+        mean = np.asarray(norm.get("mean", [0.0]), np.float32)
+        std = np.asarray(norm.get("std", [1.0]), np.float32)
+        shape = (1, -1) + (1,) * (out.ndim - 2) if out.ndim >= 2 and mean.size > 1 else (1,) * out.ndim
+        out -= mean.reshape(shape) if mean.size > 1 else mean[0]
+        out /= std.reshape(shape) if std.size > 1 else std[0]
+        return out
+
     def samples(self, split: str) -> int:
         return sum(s.samples for s in self.splits.get(split, []))
 
@@ -285,8 +299,8 @@ class ShardReader:
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         have = 0
         stream = self._stream(epoch, start_step * B)
-        empty = Batch(np.empty((0, *self.shards.x_shape), self.shards.x_dtype), np.empty(0, np.int64),
-                      np.empty(0, np.int64))
+        empty = Batch(self.shards.normalize(np.empty((0, *self.shards.x_shape), self.shards.x_dtype)),
+                      np.empty(0, np.int64), np.empty(0, np.int64))
         for step in range(start_step, self.steps_per_epoch):
             want = int(self.step_sizes(step)[self.rank])
             while have < want:
@@ -307,10 +321,9 @@ class ShardReader:
                 else:
                     pending[0] = (x[take:], y[take:], ix[take:])
             have -= want
-            if len(xs) == 1:
-                yield Batch(xs[0], ys[0], ixs[0])
-            else:
-                yield Batch(np.concatenate(xs), np.concatenate(ys), np.concatenate(ixs))
+            x = xs[0] if len(xs) == 1 else np.concatenate(xs)
+            yield Batch(self.shards.normalize(x), ys[0] if len(ys) == 1 else np.concatenate(ys),
+                        ixs[0] if len(ixs) == 1 else np.concatenate(ixs))
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """The batches of `epoch` from `start_step` on, read ahead by a background thread."""

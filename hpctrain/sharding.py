@@ -27,7 +27,8 @@ from .data import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
 from .errors import ConfigError, DataError
 from .progress import Progress
 
-SOURCE_FORMS = "digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/FILE.hdf5 or FILE.csv"
+SOURCE_FORMS = ("digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/FILE.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR, "
+                "cifar10:DIR or FILE.parquet")
 _READ_BYTES = 64 << 20  # rows of the source read at a time: about this many bytes of x
 
 
@@ -50,8 +51,11 @@ class Source:
 
 
 def _store_dtype(dtype: np.dtype) -> np.dtype:
-    """Floats are stored as they are; anything else as float32 (train reads x as float32)."""
-    return dtype if np.issubdtype(dtype, np.floating) else np.dtype(np.float32)
+    """Floats and uint8 (images, normalized by the reader as the manifest says) are stored as they are;
+    anything else as float32 (train reads x as float32)."""
+    if np.issubdtype(dtype, np.floating) or dtype == np.uint8:
+        return dtype
+    return np.dtype(np.float32)
 
 
 def _labels(y: np.ndarray, where: str) -> np.ndarray:
@@ -181,8 +185,12 @@ def _csv(path: Path) -> Source:
     return Source(str(path), len(x), (x.shape[1],), x.dtype, y, lambda s, e: x[s:e])
 
 
-def open_source(spec: str, seed: int = 0) -> Source:
+def open_source(spec: str, seed: int = 0, cfg: ShardConfig | None = None) -> Source:
     """Open SOURCE (see SOURCE_FORMS); raise DataError naming the value when it cannot be used."""
+    if spec.startswith(("imagefolder:", "mnist:", "cifar10:")) or spec.lower().endswith(".parquet"):
+        from .imagesources import open_source as open_dataset_source
+
+        return open_dataset_source(spec, cfg or ShardConfig(source=spec, out=Path(".")))
     if spec == "digits":
         return _digits()
     if spec.startswith("synthetic"):
@@ -240,7 +248,7 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True) -> dict[str, Any]:
         raise ConfigError(f"OUT {str(out)!r} already exists: choose another directory or pass --force to replace it")
     if out.exists() and not _safe_to_replace(out):
         raise ConfigError(f"OUT {str(out)!r} exists and is not an hpctrain dataset; refusing to replace it even with --force")
-    source = open_source(cfg.source, cfg.seed)
+    source = open_source(cfg.source, cfg.seed, cfg)
     try:
         n_val = int(round(source.n * cfg.val_fraction))
         for split, count in (("train", source.n - n_val), ("val", n_val)):

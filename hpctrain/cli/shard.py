@@ -14,7 +14,7 @@ from .common import fail, handle_errors
 
 @handle_errors
 def shard(
-    source: Annotated[str, typer.Argument(help="digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/.hdf5 or FILE.csv.")],
+    source: Annotated[str, typer.Argument(help="digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR, cifar10:DIR or FILE.parquet.")],
     out: Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")],
     shards: Annotated[int, typer.Option(help="Shards per split; train on a world size that divides it.")] = 8,
     val_fraction: Annotated[float, typer.Option(help="Fraction of samples held out for validation.")] = 0.2,
@@ -22,6 +22,11 @@ def shard(
     compression: Annotated[str, typer.Option(help="HDF5 compression: none, lzf or gzip.")] = "none",
     chunk_rows: Annotated[Optional[int], typer.Option(help="Rows per HDF5 chunk (default: about 1 MiB).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing dataset at OUT.")] = False,
+    image_size: Annotated[Optional[str], typer.Option(help="imagefolder: resize and center-crop to H or HxW.")] = None,
+    channels: Annotated[Optional[int], typer.Option(help="imagefolder: 1 (grayscale) or 3 (RGB).")] = None,
+    skip_bad: Annotated[bool, typer.Option("--skip-bad", help="imagefolder: skip unreadable images (counted).")] = False,
+    workers: Annotated[int, typer.Option(help="Decoding worker processes (0: one per CPU).")] = 0,
+    label_column: Annotated[Optional[str], typer.Option(help="FILE.parquet: label column (default: last).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Split SOURCE into per-rank HDF5 shards with a manifest.
@@ -31,7 +36,8 @@ def shard(
     from ..sharding import shard as write_shards
 
     cfg = ShardConfig(source=source, out=out, shards=shards, val_fraction=val_fraction, seed=seed,
-                      compression=compression, chunk_rows=chunk_rows, force=force)
+                      compression=compression, chunk_rows=chunk_rows, force=force, image_size=image_size,
+                      channels=channels, skip_bad=skip_bad, workers=workers, label_column=label_column)
     manifest = write_shards(cfg, show_progress=not json_out)
     if json_out:
         print(json.dumps(manifest))
