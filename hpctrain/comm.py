@@ -228,9 +228,12 @@ class GradSync:
         params: Iterable[Any],
         comm: Comm,
         *,
-        bucket_mb: float = 4.0,
+        bucket_mb: float = 25.0,
         overlap: bool = True,
         compress: str = "none",
+        hierarchical: bool = False,
+        deterministic: bool = False,
+        node_key: int | None = None,
     ):
         import torch
 
@@ -283,7 +286,19 @@ class GradSync:
             for p in group:
                 self._bucket_of[id(p)] = bucket
             self.buckets.append(bucket)
-        self._staging = self.device.type == "cuda" and not bool(cuda_aware())
+        self.deterministic = deterministic and comm.size > 1
+        self.notes: list[str] = []
+        self._local: Comm | None = None
+        self._leaders: Comm | None = None
+        if hierarchical and comm.size > 1:
+            MPI = _mpi()
+            # node_key lets tests emulate several nodes on one host; by default: who shares memory
+            local = (comm.mpi.Split(node_key, comm.rank) if node_key is not None
+                     else comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, comm.rank))
+            self._local = Comm(local)
+            leaders = comm.mpi.Split(0 if self._local.rank == 0 else MPI.UNDEFINED, comm.rank)  # collective
+            self._leaders = Comm(leaders) if leaders != MPI.COMM_NULL else None
+        self._staging = self.device.type == "cuda" and not self._cuda_aware_confirmed()
         self._queue: queue.Queue[_Bucket | None] = queue.Queue()
         self._error: BaseException | None = None
         self._launched = 0
@@ -360,6 +375,10 @@ class GradSync:
                 self._launched += 1
 
     def _run(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
         while True:
             bucket = self._queue.get()
             if bucket is None:
@@ -371,6 +390,26 @@ class GradSync:
                 self._error = exc
             finally:
                 bucket.done.set()
+
+    def _cuda_aware_confirmed(self) -> bool:
+        """The MPI says it is CUDA-aware and one small GPU allreduce at start-up gives the right sum."""
+        import torch
+
+        if not cuda_aware():
+            self.notes.append("MPI is not CUDA-aware: staging gradients through pinned host buffers")
+            return False
+        MPI = _mpi()
+        probe = torch.ones(4, device=self.device)
+        try:
+            torch.cuda.synchronize(self.device)
+            self.comm.mpi.Allreduce(MPI.IN_PLACE, probe, op=MPI.SUM)
+            ok = bool((probe == self.comm.size).all())
+        except Exception as exc:  # noqa: BLE001 - any failure means: stage through the host
+            self.notes.append(f"CUDA-aware allreduce failed at start-up ({exc}): staging through the host")
+            return False
+        if not ok:
+            self.notes.append("CUDA-aware allreduce gave a wrong sum at start-up: staging through the host")
+        return ok
 
     def _allreduce(self, bucket: _Bucket) -> None:
         import torch
@@ -391,18 +430,49 @@ class GradSync:
 
     def _reduce_host(self, flat: Any, bucket: _Bucket, MPI: Any) -> None:
         if self.compress == "none":
-            self.comm.mpi.Allreduce(MPI.IN_PLACE, _buffer(flat, MPI), op=MPI.SUM)
+            self._sum(flat, MPI.SUM, MPI)
             return
-        wire_dtype = {"fp16": "float16", "bf16": "bfloat16"}[self.compress]
         import torch
 
-        dtype = getattr(torch, wire_dtype)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[self.compress]
         if bucket.wire is None:
             bucket.wire = torch.empty(flat.shape, dtype=dtype, device=flat.device)
         # Pre-divide by the world size so the 16-bit sum cannot overflow, then scale back in fp32.
         torch.mul(flat, 1.0 / self.comm.size, out=bucket.wire)
-        self.comm.mpi.Allreduce(MPI.IN_PLACE, _buffer(bucket.wire, MPI), op=_sum_op(self.compress, MPI))
+        self._sum(bucket.wire, _sum_op(self.compress, MPI), MPI)
         flat.copy_(bucket.wire).mul_(self.comm.size)
+
+    def _sum(self, buf: Any, op: Any, MPI: Any) -> None:
+        """In-place sum of `buf` over all ranks: flat, hierarchical or in a fixed order."""
+        if self.deterministic:
+            self._ordered_sum(buf)
+        elif self._local is not None:
+            # node-local reduce to the node leader, leaders allreduce, node-local broadcast
+            spec = _buffer(buf, MPI)
+            if self._local.size > 1:
+                self._local.mpi.Reduce(MPI.IN_PLACE if self._local.rank == 0 else spec, spec, op=op, root=0)
+            if self._leaders is not None and self._leaders.size > 1:
+                self._leaders.mpi.Allreduce(MPI.IN_PLACE, spec, op=op)
+            if self._local.size > 1:
+                self._local.mpi.Bcast(spec, root=0)
+        else:
+            self.comm.mpi.Allreduce(MPI.IN_PLACE, _buffer(buf, MPI), op=op)
+
+    def _ordered_sum(self, buf: Any, chunk: int = 1 << 22) -> None:
+        """Sum in rank order (((g0 + g1) + g2) + ...), accumulating in float32, whatever MPI's algorithm:
+        the same bits in every run and on every rank. Costs an allgather (W x the traffic), in chunks."""
+        import torch
+
+        MPI = _mpi()
+        flat = buf.view(-1)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start:start + chunk]
+            gathered = torch.empty((self.comm.size, part.numel()), dtype=part.dtype, device=part.device)
+            self.comm.mpi.Allgather(_buffer(part.contiguous(), MPI), _buffer(gathered, MPI))
+            total = gathered[0].float()
+            for r in range(1, self.comm.size):
+                total += gathered[r].float()
+            part.copy_(total)
 
 
 def _buffer(tensor: Any, MPI: Any) -> Any:

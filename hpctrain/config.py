@@ -126,6 +126,12 @@ class TrainConfig:
     overlap: bool | None = None
     """Start each bucket's allreduce during backward on a communication thread; None (auto): only when the
     rank has a spare CPU for that thread or computes on a GPU (on one core per rank it measured slower)."""
+    accumulate: int = 1
+    """Micro-batches of batch_size per optimizer step; gradients are synced only on the last."""
+    hierarchical: bool = False
+    """Reduce within each node first, allreduce between node leaders, broadcast within the node."""
+    deterministic: bool = False
+    """Sum gradients in rank order, the same bits in every run whatever MPI's algorithm (costs bandwidth)."""
     audit_samples: bool = False
     """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
     log_every: int = 10
@@ -142,7 +148,8 @@ class TrainConfig:
         self.run_dir = Path(self.run_dir)
         if self.init_weights is not None:
             self.init_weights = Path(self.init_weights)
-        for name, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size), ("--log-every", self.log_every)):
+        for name, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size), ("--log-every", self.log_every),
+                            ("--accumulate", self.accumulate)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} {value!r} must be a whole number of at least 1")
         if isinstance(self.checkpoint_every, str) and self.checkpoint_every != "auto":

@@ -65,25 +65,32 @@ def auto_overlap(env: RankEnv, device_type: str) -> bool:
 
 
 def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray,
-               global_n: int, *, clip_grad: float = 0.0, device: Any = "cpu") -> float:
+               global_n: int, *, clip_grad: float = 0.0, device: Any = "cpu", accumulate: int = 1) -> float:
     """One data-parallel step; returns this rank's summed loss.
 
     The loss is this rank's sum of per-sample losses divided by the step's global sample count, so the
     summed allreduce leaves in every `.grad` the mean gradient over all samples of the step. A rank whose
-    batch is empty still joins the allreduce (with zeros), so uneven data never hangs.
+    batch is empty still joins the allreduce (with zeros), so uneven data never hangs. With `accumulate`
+    K > 1 the batch runs as K micro-batches and only the last one's backward starts the allreduce.
     """
     import torch
 
     sync.zero()
     loss_value = 0.0
-    if len(y):
-        xt = torch.from_numpy(x).to(device, non_blocking=True)
+    bounds = np.linspace(0, len(y), accumulate + 1).astype(int) if accumulate > 1 else (0, len(y))
+    for i in range(len(bounds) - 1):
+        lo, hi = bounds[i], bounds[i + 1]
+        sync.enabled = i == len(bounds) - 2
+        if hi == lo:
+            continue
+        xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
         if xt.dtype != torch.float32:
             xt = xt.float()
-        yt = torch.from_numpy(y).to(device, non_blocking=True)
+        yt = torch.from_numpy(y[lo:hi]).to(device, non_blocking=True)
         loss_sum = loss_fn(model(xt), yt)
         (loss_sum / global_n).backward()
-        loss_value = float(loss_sum.detach())
+        loss_value += float(loss_sum.detach())
+    sync.enabled = True
     sync.wait()
     if clip_grad:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
@@ -283,7 +290,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
     torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
 
-    reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=cfg.batch_size,
+    reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=cfg.batch_size * cfg.accumulate,
                          shuffle=cfg.shuffle, seed=cfg.seed)
     val_reader = (ShardReader(shards, "val", rank=comm.rank, world=comm.size, batch_size=max(cfg.batch_size, 256),
                               shuffle=False, prefetch=0) if "val" in shards.splits else None)
@@ -294,7 +301,10 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     optimizer = _optimizer(cfg, model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg.schedule, total_steps))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
-    sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.compress)
+    sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.compress,
+                    hierarchical=cfg.hierarchical, deterministic=cfg.deterministic)
+    for note in sync.notes:
+        log.warning(note)
     log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s", len(sync.buckets), cfg.bucket_mb,
              sync.overlap, cfg.compress)
     manager = ckpt.CheckpointManager(cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep,
@@ -383,7 +393,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                 global_n = int(sizes.sum())
                 n_local = len(batch.y)
                 loss_value = train_step(model, sync, optimizer, loss_fn, batch.x, batch.y, global_n,
-                                        clip_grad=cfg.clip_grad, device=device)
+                                        clip_grad=cfg.clip_grad, device=device, accumulate=cfg.accumulate)
                 scheduler.step()
                 step += 1
                 in_epoch += 1
@@ -473,7 +483,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         "world_size": comm.size,
         "epochs": math.ceil(step / max(1, steps_per_epoch)),
         "steps": step,
-        "global_batch_size": cfg.batch_size * comm.size,
+        "global_batch_size": cfg.batch_size * cfg.accumulate * comm.size,
         "train_loss": final_loss,
         "val_loss": last_val.get("val_loss"),
         "val_accuracy": last_val.get("val_accuracy"),

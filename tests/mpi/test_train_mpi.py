@@ -37,11 +37,12 @@ def reference_sgd(data: Path, world: int, *, epochs: int, batch: int, lr: float)
     return model.state_dict()
 
 
-@pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
-def test_two_ranks_equal_one_process_averaging_gradients(digits2: Path, tmp_path: Path, overlap: str) -> None:
+@pytest.mark.parametrize("mode", ["--overlap", "--no-overlap", "--hierarchical", "--deterministic",
+                                  "--accumulate=2 --batch-size=16"])
+def test_two_ranks_equal_one_process_averaging_gradients(digits2: Path, tmp_path: Path, mode: str) -> None:
     run = tmp_path / "run"
     mpirun(2, ["train", "--data", str(digits2), "--run-dir", str(run), "--no-shuffle", "--optimizer", "sgd",
-               "--momentum", "0", "--lr", "0.1", "--epochs", "2", "--batch-size", "32", overlap])
+               "--momentum", "0", "--lr", "0.1", "--epochs", "2", "--batch-size", "32", *mode.split()])
     got = torch.load(run / "model.pt", weights_only=True)
     want = reference_sgd(digits2, 2, epochs=2, batch=32, lr=0.1)
     assert list(got) == list(want)  # the user's own keys, no wrapper prefix

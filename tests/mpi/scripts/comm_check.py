@@ -35,8 +35,13 @@ def run(mode: str) -> None:
     torch.manual_seed(0)
     model = Net()
     comm.broadcast_tensors(model.parameters())
-    kwargs = {"bucket_mb": 8 / 1024, "overlap": mode != "blocking", "compress": mode if mode in ("fp16", "bf16") else "none"}
+    kwargs = {"bucket_mb": 8 / 1024, "overlap": mode != "blocking",
+              "compress": mode.split("-")[-1] if mode.endswith(("fp16", "bf16")) else "none",
+              "hierarchical": mode.startswith("hierarchical"), "deterministic": mode.startswith("deterministic"),
+              # emulate nodes of two ranks each on this one host
+              "node_key": rank // 2 if mode.startswith("hierarchical") else None}
     sync = GradSync(model.parameters(), comm, **kwargs)
+    results = []
     for step in range(3):
         sync.zero()
         per_rank = []
@@ -49,10 +54,18 @@ def run(mode: str) -> None:
         expected = [sum(g[i] for g in per_rank) for i in range(len(per_rank[0]))]
         torch.manual_seed(1000 * step + rank)
         x = torch.randn(8, 16)
-        (model(x).pow(2).mean() * (rank + 1)).backward()
+        if mode == "accumulate":
+            # two micro-batches whose gradients add up to the full one; sync only on the last
+            sync.enabled = False
+            (model(x[:3]).pow(2).mean() * (rank + 1) * 3 / 8).backward()
+            sync.enabled = True
+            (model(x[3:]).pow(2).mean() * (rank + 1) * 5 / 8).backward()
+        else:
+            (model(x).pow(2).mean() * (rank + 1)).backward()
         sync.wait()
+        results.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
         used = [p for n, p in model.named_parameters() if not n.startswith("unused")]
-        tol = {"fp16": 2e-2, "bf16": 8e-2}.get(mode, 1e-5)
+        tol = {"fp16": 2e-2, "bf16": 8e-2}.get(mode.split("-")[-1], 1e-5)
         for p, e in zip(used, expected):
             err = (p.grad - e).abs().max().item() / max(1e-6, e.abs().max().item())
             assert err <= tol, (mode, step, err)
@@ -63,6 +76,10 @@ def run(mode: str) -> None:
             for p in bucket.params:
                 assert p.grad.untyped_storage().data_ptr() == base, "a gradient is not a view of its bucket"
     assert len(sync.buckets) >= 3
+    if mode.startswith("deterministic"):
+        # the same bits on every rank
+        everyone = comm.allgather(torch.cat(results).numpy().tobytes())
+        assert all(e == everyone[0] for e in everyone)
     sync.close()
 
 
@@ -79,7 +96,9 @@ def check_broadcast() -> None:
 
 
 check_broadcast()
-for mode in sys.argv[1:] or ["blocking", "overlap", "fp16", "bf16"]:
+MODES = ["blocking", "overlap", "fp16", "bf16", "hierarchical", "hierarchical-bf16", "deterministic",
+         "deterministic-fp16", "accumulate"]
+for mode in sys.argv[1:] or MODES:
     run(mode)
 comm.barrier()
 if rank == 0:
