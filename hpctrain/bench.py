@@ -90,7 +90,8 @@ def _idle_wait(comm: Comm) -> None:
 
 def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int = 784, classes: int = 10,
                 batch_size: int = 64, steps: int = 30, rounds: int = 3, bucket_mb: float = 25.0,
-                baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none") -> dict[str, Any]:
+                baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none",
+                device: str = "cpu") -> dict[str, Any]:
     """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling."""
     import torch
 
@@ -109,11 +110,16 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         return build_model(model_spec, (input_dim,), classes)
 
     # hpctrain: the exact step `hpctrain train` runs
+    if device == "cuda":
+        from .env import select_device
+
+        device = select_device(env, torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if overlap is None:
         from .trainer import auto_overlap
 
-        overlap = auto_overlap(env, "cpu")
-    model = fresh_model()
+        overlap = auto_overlap(env, torch.device(device).type)
+    model = fresh_model().to(device)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sync = GradSync(model.parameters(), comm, bucket_mb=bucket_mb, overlap=overlap, compress=compress)
@@ -124,11 +130,11 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     def hp_step() -> None:
         i = counter[0] % len(xs)
         counter[0] += 1
-        train_step(model, sync, opt, loss_fn, xs[i], ys[i], global_n)
+        train_step(model, sync, opt, loss_fn, xs[i], ys[i], global_n, device=device)
         comm_times.append(sync.comm_seconds)
 
     ddp_step = None
-    if baseline == "ddp" and comm.size > 1:
+    if baseline == "ddp" and comm.size > 1 and device == "cpu":
         import torch.distributed as dist
 
         port = 0
@@ -165,7 +171,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     hp_ms = statistics.median(hp_times) * 1e3
     result: dict[str, Any] = {
         "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
-        "torch_threads": torch.get_num_threads(), "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress,
+        "torch_threads": torch.get_num_threads(), "device": str(device), "staging": getattr(sync, "_staging", False),
+        "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress,
         "hpctrain": {"step_ms": hp_ms, "samples_per_s": global_n / hp_ms * 1e3,
                      "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
     }
@@ -182,7 +189,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         from .comm import _mpi
 
         MPI = _mpi()
-        flat = np.ones(params, np.float32)
+        flat = np.ones(params, np.float32)  # raw MPI on host memory: the bound for the staging path too
         raw_ms = _median_time(comm, lambda: comm.mpi.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM), 20) * 1e3
 
         sync_times = []
@@ -205,11 +212,11 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         solo_times = []
         for _ in range(rounds):
             for _ in range(2):
-                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size)
+                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size, device=device)
             ts = []
             for _ in range(steps):
                 t0 = time.perf_counter()
-                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size)
+                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size, device=device)
                 ts.append(time.perf_counter() - t0)
             solo_times.append(statistics.median(ts))
         solo.close()

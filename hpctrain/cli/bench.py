@@ -75,6 +75,7 @@ def train(
     bucket_mb: Annotated[float, typer.Option(help="hpctrain bucket size in MiB.")] = 25.0,
     overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Overlap allreduce with backward (default: as train decides).", show_default=False)] = None,
     compress: Annotated[str, typer.Option(help="Wire format: none, fp16 or bf16.")] = "none",
+    device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per local rank; DDP baseline skipped).")] = "cpu",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -87,7 +88,8 @@ def train(
     from ..comm import world
 
     result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
-                         rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=compress)
+                         rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=compress,
+                         device=device)
     if not is_rank0():
         return
     if json_out:

@@ -13,4 +13,4 @@ SCRIPT = Path(__file__).parent / "scripts" / "comm_check.py"
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_gradient_sync_and_broadcast(n: int) -> None:
     proc = mpirun(n, [str(SCRIPT)], python_module=False, timeout=240)
-    assert f"COMM OK {n}" in proc.stdout
+    assert f"COMM OK {n} cpu" in proc.stdout

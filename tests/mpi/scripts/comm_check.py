@@ -15,6 +15,8 @@ from hpctrain.comm import GradSync, world
 
 comm = world()
 rank, size = comm.rank, comm.size
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--device=")]
+DEVICE = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--device=")), "cpu")  # cuda: benchmarks/gpu_check.sh
 
 
 class Net(nn.Module):
@@ -33,7 +35,7 @@ class Net(nn.Module):
 
 def run(mode: str) -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     comm.broadcast_tensors(model.parameters())
     kwargs = {"bucket_mb": 8 / 1024, "overlap": mode != "blocking",
               "compress": mode.split("-")[-1] if mode.endswith(("fp16", "bf16")) else "none",
@@ -47,13 +49,13 @@ def run(mode: str) -> None:
         per_rank = []
         for r in range(size):  # every rank computes every rank's gradient, to know the expected sum
             torch.manual_seed(1000 * step + r)
-            x = torch.randn(8, 16)
+            x = torch.randn(8, 16).to(DEVICE)
             loss = model(x).pow(2).mean() * (r + 1)
             grads = torch.autograd.grad(loss, [p for n, p in model.named_parameters() if n != "unused.weight" and n != "unused.bias"])
             per_rank.append(grads)
         expected = [sum(g[i] for g in per_rank) for i in range(len(per_rank[0]))]
         torch.manual_seed(1000 * step + rank)
-        x = torch.randn(8, 16)
+        x = torch.randn(8, 16).to(DEVICE)
         if mode == "accumulate":
             # two micro-batches whose gradients add up to the full one; sync only on the last
             sync.enabled = False
@@ -63,7 +65,7 @@ def run(mode: str) -> None:
         else:
             (model(x).pow(2).mean() * (rank + 1)).backward()
         sync.wait()
-        results.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+        results.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu())
         used = [p for n, p in model.named_parameters() if not n.startswith("unused")]
         tol = {"fp16": 2e-2, "bf16": 8e-2}.get(mode.split("-")[-1], 1e-5)
         for p, e in zip(used, expected):
@@ -98,8 +100,8 @@ def check_broadcast() -> None:
 check_broadcast()
 MODES = ["blocking", "overlap", "fp16", "bf16", "hierarchical", "hierarchical-bf16", "deterministic",
          "deterministic-fp16", "accumulate"]
-for mode in sys.argv[1:] or MODES:
+for mode in ARGS or MODES:
     run(mode)
 comm.barrier()
 if rank == 0:
-    print("COMM OK", size)
+    print("COMM OK", size, DEVICE)
