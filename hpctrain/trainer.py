@@ -314,6 +314,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     step, start_epoch, start_in_epoch, resumed_from = 0, 0, 0, None
     metrics_path = cfg.run_dir / "metrics.jsonl"
     audit_path = cfg.run_dir / "samples" / f"rank-{comm.rank:04d}.txt"
+    timing_path = cfg.run_dir / "logs" / f"rank-{comm.rank:04d}.jsonl"
     if resume_path is not None:
         state = _load_checkpoint(resume_path, comm)
         meta = state["meta"]
@@ -344,9 +345,12 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                 _truncate_lines(audit_path, mine["audit_lines"])
         if comm.rank == 0:
             _keep_metrics(metrics_path, step)
+        _keep_metrics(timing_path, step)
         log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", resume_path, step, start_epoch, start_in_epoch)
-    elif comm.rank == 0 and metrics_path.exists():
-        metrics_path.unlink()
+    else:
+        for path in (metrics_path if comm.rank == 0 else None, timing_path):
+            if path is not None and path.exists():
+                path.unlink()
     if cfg.audit_samples:
         audit_path.parent.mkdir(parents=True, exist_ok=True)
         if resumed_from is None and audit_path.exists():
@@ -356,6 +360,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     stop = _StopFlag()
     stop.install()
     metrics = open(metrics_path, "a") if comm.rank == 0 else None
+    timing = open(timing_path, "a")  # this rank's own step timing: RUN/logs/rank-NNNN.jsonl
     audit = open(audit_path, "a") if cfg.audit_samples else None
     audit_lines = sum(1 for _ in open(audit_path)) if audit is not None and audit_path.exists() else 0
     interactive = comm.rank == 0 and cfg.progress and not cfg.json and sys.stderr.isatty()
@@ -423,6 +428,11 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                         "comm_ms": 1000 * window["comm_s"] / window["steps"],
                         "data_ms": 1000 * window["data_s"] / window["steps"],
                     }
+                    timing.write(json.dumps({
+                        "step": step, "epoch": epoch, "rank": comm.rank, "step_ms": record["step_ms"],
+                        "compute_ms": record["step_ms"] - record["comm_ms"], "comm_ms": record["comm_ms"],
+                        "data_ms": record["data_ms"], "samples": int(window["n"])}) + "\n")
+                    timing.flush()
                     if end_of_epoch and val_reader is not None:
                         last_val = evaluate(model, val_reader, comm)
                         record.update(last_val)
@@ -464,6 +474,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
             val_reader.close()
         if metrics is not None:
             metrics.close()
+        timing.close()
         if audit is not None:
             audit.close()
     if stop_signal is not None:
