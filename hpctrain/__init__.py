@@ -1,6 +1,23 @@
 """hpctrain: data-parallel PyTorch training over MPI on Slurm supercomputers.
 
-Importing this package is cheap: it neither imports torch nor initializes MPI.
+Importing this package is cheap: it neither imports torch nor initializes MPI. The library API
+(`init`, `broadcast_parameters`, `broadcast_optimizer_state`, `DistributedOptimizer`, `ShardLoader`,
+`Checkpointer`, `ranks_in_sync`) loads on first use; see `hpctrain.api`.
 """
 
 __version__ = "0.1.0"
+
+_API = ("Context", "init", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+        "ShardLoader", "Checkpointer", "param_hash", "ranks_in_sync")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'hpctrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])

@@ -311,6 +311,11 @@ class GradSync:
             self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
             self._thread.start()
         self.comm_seconds = 0.0
+        # Scale each rank's gradient before the sum (e.g. its share of an uneven global batch) and the sum
+        # after it (e.g. 1 / world size for a mean); applied in place inside the reduction, no extra pass
+        # when both are 1.
+        self.prescale = 1.0
+        self.postscale = 1.0
 
     # -- the public step protocol ------------------------------------------------------------------
     def zero(self) -> None:
@@ -347,6 +352,9 @@ class GradSync:
             else:
                 for bucket in self.buckets:
                     self._allreduce(bucket)
+        elif self.prescale * self.postscale != 1.0:
+            for bucket in self.buckets:
+                bucket.flat.mul_(self.prescale * self.postscale)
         self.comm_seconds = time.perf_counter() - start
 
     def close(self) -> None:
@@ -430,7 +438,11 @@ class GradSync:
 
     def _reduce_host(self, flat: Any, bucket: _Bucket, MPI: Any) -> None:
         if self.compress == "none":
+            if self.prescale != 1.0:
+                flat.mul_(self.prescale)
             self._sum(flat, MPI.SUM, MPI)
+            if self.postscale != 1.0:
+                flat.mul_(self.postscale)
             return
         import torch
 
@@ -438,9 +450,9 @@ class GradSync:
         if bucket.wire is None:
             bucket.wire = torch.empty(flat.shape, dtype=dtype, device=flat.device)
         # Pre-divide by the world size so the 16-bit sum cannot overflow, then scale back in fp32.
-        torch.mul(flat, 1.0 / self.comm.size, out=bucket.wire)
+        torch.mul(flat, self.prescale / self.comm.size, out=bucket.wire)
         self._sum(bucket.wire, _sum_op(self.compress, MPI), MPI)
-        flat.copy_(bucket.wire).mul_(self.comm.size)
+        flat.copy_(bucket.wire).mul_(self.comm.size * self.postscale)
 
     def _sum(self, buf: Any, op: Any, MPI: Any) -> None:
         """In-place sum of `buf` over all ranks: flat, hierarchical or in a fixed order."""

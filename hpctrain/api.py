@@ -1,0 +1,280 @@
+"""hpctrain as a library: bring your own training loop.
+
+The same comm, data and checkpoint layers that `hpctrain train` uses, behind a few names:
+
+    import hpctrain
+
+    ctx = hpctrain.init()                                   # MPI, rank, world size, this rank's device
+    model = Net().to(ctx.device)
+    hpctrain.broadcast_parameters(model)                    # rank 0's weights everywhere
+    opt = hpctrain.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)
+    loader = hpctrain.ShardLoader("data/", batch_size=32)  # this rank's shards, every sample once per epoch
+    for epoch in range(10):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()                 # allreduce starts during backward
+            opt.step()                                      # waits for it, then steps
+
+`DistributedOptimizer.step()` applies the mean of the ranks' gradients (each rank's weighted by its share
+of the step's samples when the loader says the batches are uneven). `Checkpointer` adds atomic
+checkpoints, signal-driven stops and exact resume to such a loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import checkpoint as ckpt
+from .comm import Comm, GradSync, world
+from .data import ShardReader, load_manifest
+from .env import RankEnv, read_env, select_device
+from .errors import ConfigError
+
+_CONTEXT: "Context | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Where this process runs: its rank, the world, its local rank on the node, and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: Any
+    comm: Comm
+    env: RankEnv
+
+
+def init(*, threads: int | None = None) -> Context:
+    """Start MPI (one rank without a launcher), size torch's thread pool to the CPUs this rank owns and pick
+    its device (one GPU per local rank when GPUs are visible, else the CPU). Safe to call twice."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        import torch
+
+        env = read_env()
+        comm = world()
+        torch.set_num_threads(threads or env.torch_threads())
+        device = torch.device(select_device(env, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        _CONTEXT = Context(comm.rank, comm.size, env.local_rank, device, comm, env)
+    return _CONTEXT
+
+
+def broadcast_parameters(model: Any, root: int = 0) -> None:
+    """Copy `root`'s parameters and buffers to every rank, in place."""
+    init().comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()), root=root)
+
+
+def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
+    """Give every rank `root`'s optimizer state (e.g. after loading it on `root` only)."""
+    state = init().comm.bcast(optimizer.state_dict() if init().rank == root else None, root=root)
+    optimizer.load_state_dict(state)
+
+
+class DistributedOptimizer:
+    """Wraps any torch.optim optimizer with hpctrain's bucketed, overlapped gradient allreduce.
+
+    Gradients become views into flat buckets; each bucket's allreduce starts as soon as backward has
+    produced all of its gradients. `step()` waits for what is still in flight and steps the wrapped
+    optimizer; `zero_grad()` zeroes the buckets (never set gradients to None: they are the buckets).
+    `no_sync()` is for gradient accumulation: backward inside it only accumulates.
+    """
+
+    def __init__(self, optimizer: Any, model: Any, *, bucket_mb: float = 25.0, overlap: bool | None = None,
+                 compress: str = "none", hierarchical: bool = False, deterministic: bool = False,
+                 loader: "ShardLoader | None" = None):
+        from .trainer import auto_overlap
+
+        ctx = init()
+        self.optimizer = optimizer
+        self.loader = loader
+        if overlap is None:
+            overlap = auto_overlap(ctx.env, ctx.device.type if hasattr(ctx.device, "type") else "cpu")
+        self.sync = GradSync(model.parameters(), ctx.comm, bucket_mb=bucket_mb, overlap=overlap,
+                             compress=compress, hierarchical=hierarchical, deterministic=deterministic)
+        self.sync.postscale = 1.0 / ctx.world_size
+        self.param_groups = optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self.sync.zero()
+        if self.loader is not None:
+            # weight this rank by its share of the step's samples: exact means on uneven last batches
+            self.sync.prescale, self.sync.postscale = self.loader.rank_weight(), 1.0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.sync.enabled = False
+        try:
+            yield
+        finally:
+            self.sync.enabled = True
+
+    def synchronize(self) -> None:
+        """Finish the allreduce now (e.g. to clip gradients before `step()`)."""
+        self.sync.wait()
+        self._synced = True
+
+    def step(self, closure: Any = None) -> Any:
+        if not getattr(self, "_synced", False):
+            self.sync.wait()
+        self._synced = False
+        return self.optimizer.step(closure)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+class ShardLoader:
+    """Batches of this rank's shards (written by `hpctrain shard`) as torch tensors on the rank's device.
+
+    Every rank gets the same number of batches per epoch (`len(loader)`); a rank with fewer samples gets a
+    shorter last batch, never a duplicate. The order is a pure function of (seed, epoch, rank, world size);
+    `state_dict()` / `load_state_dict()` carry the position inside an epoch for exact resume.
+    """
+
+    def __init__(self, data: str | Path, *, batch_size: int, split: str = "train", shuffle: bool = True,
+                 seed: int = 0, drop_empty: bool = True):
+        ctx = init()
+        self.shards = load_manifest(data)
+        if split not in self.shards.splits:
+            raise ConfigError(f"split {split!r} not in {str(data)!r}: it has {', '.join(self.shards.splits)}")
+        self.reader = ShardReader(self.shards, split, rank=ctx.rank, world=ctx.world_size, batch_size=batch_size,
+                                  shuffle=shuffle, seed=seed)
+        self.device = ctx.device
+        self.rank = ctx.rank
+        self.world = ctx.world_size
+        self.epoch = 0
+        self.step = 0
+        self.drop_empty = drop_empty
+
+    def __len__(self) -> int:
+        return self.reader.steps_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.step = epoch, 0
+
+    def rank_weight(self) -> float:
+        """This rank's share of the current step's samples (1 / world size when batches are even)."""
+        sizes = self.reader.step_sizes(min(self.step, max(0, len(self) - 1)))
+        return float(sizes[self.rank]) / float(max(1, sizes.sum()))
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        import torch
+
+        start = self.step
+        for batch in self.reader.epoch(self.epoch, start):
+            x = torch.from_numpy(batch.x).to(self.device, non_blocking=True)
+            if x.dtype != torch.float32:
+                x = x.float()
+            y = torch.from_numpy(batch.y).to(self.device, non_blocking=True)
+            yield x, y
+            self.step += 1
+        self.epoch, self.step = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "step": self.step, "world_size": self.world}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("world_size", self.world) != self.world and state.get("step", 0):
+            raise ConfigError(f"loader state from {state['world_size']} ranks mid-epoch; resume on that many ranks")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+class Checkpointer:
+    """Atomic, verifiable checkpoints of a custom loop, stops on SIGTERM/SIGUSR2, exact resume.
+
+        ck = hpctrain.Checkpointer("runs/x", every=100)
+        step = ck.restore(model, opt, loader)          # 0 on a fresh start
+        ...
+            step += 1
+            if ck.step(step, model, opt, loader):      # saves when due; True after a stop signal
+                break
+        ck.close(step, model, opt, loader)             # the final checkpoint
+    """
+
+    def __init__(self, run_dir: str | Path, *, every: int | str = "auto", keep: int = 2):
+        ctx = init()
+        self.run_dir = Path(run_dir)
+        self.manager = ckpt.CheckpointManager(self.run_dir, ctx.comm, every=every, keep=keep)
+        self._stop: int | None = None
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                break
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self._stop = signum
+
+    def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None) -> dict[str, Any]:
+        from .trainer import _rng_state
+
+        opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+        return dict(model_state=model.state_dict(), train_state={"optimizer": opt.state_dict()},
+                    rank_state={"rng": _rng_state(), "loader": loader.state_dict() if loader else None},
+                    meta={"world_size": init().world_size, "api": True})
+
+    def restore(self, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> int:
+        """Load the newest complete checkpoint of run_dir into model, optimizer (and loader); return its step."""
+        from .trainer import _load_checkpoint, _set_rng_state
+
+        ctx = init()
+        path = ckpt.latest(self.run_dir) if ctx.rank == 0 else None
+        path = ctx.comm.bcast(str(path) if path else None)
+        if path is None:
+            return 0
+        state = _load_checkpoint(Path(path), ctx.comm)
+        model.load_state_dict(state["model"])
+        opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+        opt.load_state_dict(state["train"]["optimizer"])
+        mine = state["ranks"][ctx.rank] if state["meta"]["world_size"] == ctx.world_size else None
+        if mine is not None:
+            _set_rng_state(mine["rng"])
+            if loader is not None and mine["loader"] is not None:
+                loader.load_state_dict(mine["loader"])
+        self.manager.last_saved = int(state["meta"]["step"])
+        return int(state["meta"]["step"])
+
+    def step(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> bool:
+        """Call at every step boundary on every rank; returns True when the loop must stop (a checkpoint of
+        this step has been written)."""
+        return self.manager.save(step, lambda: self._state(step, model, optimizer, loader),
+                                 stop_requested=self._stop is not None)
+
+    def close(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> None:
+        """Write the final checkpoint and restore the signal handlers."""
+        self.manager.save(step, lambda: self._state(step, model, optimizer, loader), final=True)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def param_hash(model: Any) -> str:
+    """sha256 of the model's state: equal on every rank when they are in sync."""
+    from .trainer import param_sha256
+
+    return param_sha256(model)
+
+
+def ranks_in_sync(model: Any) -> bool:
+    """True when every rank holds the same parameters (a collective)."""
+    hashes = init().comm.allgather(param_hash(model))
+    return len(set(hashes)) == 1
+
+
+__all__ = ["Context", "init", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+           "ShardLoader", "Checkpointer", "param_hash", "ranks_in_sync"]
