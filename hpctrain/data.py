@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import ConfigError, DataError
+from .hdf5env import reader_locking
 
 MANIFEST = "manifest.json"
 FORMAT = "hpctrain-shards"
@@ -209,6 +211,7 @@ class ShardReader:
         self.window_rows = max(window_rows, self.block_rows)
         self.prefetch = prefetch
         self._handles: dict[Path, Any] = {}
+        self._pid = os.getpid()
 
     def step_sizes(self, step: int) -> np.ndarray:
         """Every rank's number of samples at `step` of an epoch (0 once a rank has run out)."""
@@ -244,14 +247,32 @@ class ShardReader:
     def _open(self, f: ShardFile) -> Any:
         import h5py
 
+        if self._pid != os.getpid():
+            # a forked worker: never use the parent's HDF5 handles; open our own
+            self._handles, self._pid = {}, os.getpid()
         handle = self._handles.get(f.path)
         if handle is None:
             try:
-                handle = h5py.File(f.path, "r", locking=False)
+                handle = h5py.File(f.path, "r", locking=reader_locking())
             except OSError as exc:
                 raise DataError(f"cannot open shard {str(f.path)!r} ({exc}); check it with `hpctrain verify`") from exc
             self._handles[f.path] = handle
         return handle
+
+    @staticmethod
+    def _bad_chunk(h5: Any, start: int, stop: int) -> int | str:
+        """The first chunk in rows start:stop that fails its checksum (read chunk by chunk to find it)."""
+        for name in ("x", "y", "index"):
+            try:
+                rows = h5[name].chunks[0]
+                for lo in range((start // rows) * rows, stop, rows):
+                    try:
+                        h5[name][lo:min(lo + rows, stop)]
+                    except OSError:
+                        return f"{lo // rows} of {name!r}"
+            except (KeyError, TypeError):
+                continue
+        return "?"
 
     def _read(self, blocks: list[tuple[int, int, int]], only_indices: bool = False) -> tuple[np.ndarray, ...]:
         xs, ys, idx = [], [], []
@@ -264,8 +285,10 @@ class ShardReader:
                     ys.append(h5["y"][start:stop])
                 idx.append(h5["index"][start:stop])
             except (OSError, KeyError) as exc:
-                raise DataError(f"cannot read rows {start}:{stop} of shard {str(f.path)!r} ({exc}); "
-                                "check it with `hpctrain verify`") from exc
+                chunk = self._bad_chunk(h5, start, stop)
+                raise DataError(f"cannot read rows {start}:{stop} (HDF5 chunk {chunk}) of shard {str(f.path)!r}: "
+                                f"{exc}; the file is corrupt or truncated: check it with `hpctrain verify` and "
+                                "re-create it with `hpctrain shard`") from exc
         if only_indices:
             return (np.concatenate(idx) if idx else np.empty(0, np.int64),)
         return np.concatenate(xs), np.concatenate(ys).astype(np.int64, copy=False), np.concatenate(idx)

@@ -38,3 +38,10 @@ def file_locking(default: tuple[bool, bool], environ: Mapping[str, str] | None =
     if raw in _MEANINGS:
         return FileLocking(mode=_MEANINGS[raw], source=f"{VARIABLE}={raw}", raw=raw)
     return FileLocking(mode=built_in, source=f"HDF5 default ({VARIABLE}={raw!r} is ignored)", raw=raw, valid=False)
+
+
+def reader_locking(environ: Mapping[str, str] | None = None) -> bool | None:
+    """The `locking=` argument hpctrain's shard reader passes to h5py: off (shards are read-only and locks
+    hang or fail on Lustre and NFS) unless the user set HDF5_USE_FILE_LOCKING, which HDF5 then applies."""
+    environ = os.environ if environ is None else environ
+    return None if environ.get(VARIABLE) else False

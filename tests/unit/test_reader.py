@@ -88,3 +88,38 @@ def test_resume_mid_epoch_replays_the_rest(bigger: Path, shuffle: bool) -> None:
 def test_world_must_divide_shards(uneven: Path) -> None:
     with pytest.raises(ConfigError, match="cannot share evenly"):
         ShardReader(load_manifest(uneven), "train", rank=0, world=3, batch_size=4)
+
+
+def test_corrupt_chunk_names_file_and_chunk(tmp_path: Path) -> None:
+    from hpctrain.errors import DataError
+
+    out = tmp_path / "d"
+    shard(ShardConfig(source="synthetic:4000:16:3", out=out, shards=1, val_fraction=0, chunk_rows=500),
+          show_progress=False)
+    path = out / "train" / "shard-00000-of-00001.h5"
+    import h5py
+
+    with h5py.File(path, "r") as h5:
+        offset = h5["x"].id.get_chunk_info(3).byte_offset  # the 4th chunk of x
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 100)
+        fh.write(b"\xff" * 16)
+    reader = ShardReader(load_manifest(out), "train", rank=0, world=1, batch_size=256, shuffle=False, prefetch=0)
+    with pytest.raises(DataError, match=r"chunk 3 of .x.. of shard .*shard-00000-of-00001.h5") as err:
+        for _ in reader.epoch(0):
+            pass
+    assert "hpctrain verify" in str(err.value)
+
+
+def test_forked_reader_opens_its_own_handles(bigger: Path) -> None:
+    import os
+
+    r = ShardReader(load_manifest(bigger), "train", rank=0, world=1, batch_size=100, shuffle=False, prefetch=0)
+    first = next(iter(r.epoch(0))).index
+    pid = os.fork()
+    if pid == 0:  # the child reads through fresh handles and reports by exit code
+        ok = np.array_equal(next(iter(r.epoch(0))).index, first) and all(h.id.valid for h in r._handles.values())
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert np.array_equal(next(iter(r.epoch(0))).index, first)
