@@ -107,6 +107,24 @@ class Comm:
                 self.mpi.Bcast(host.numpy(), root=root)
                 tensor.data.copy_(host)
 
+    def agree(self, error: Exception | None) -> None:
+        """Raise on every rank when any rank failed (its checks, its part of the work), so that no rank walks
+        into the next collective alone. The failing rank re-raises its own error; the others raise one
+        that names it, with the same exit code."""
+        from .errors import HpctrainError
+
+        mine = None if error is None else (str(error), getattr(error, "exit_code", 1))
+        messages = self.allgather(mine)
+        bad = [(r, m) for r, m in enumerate(messages) if m is not None]
+        if not bad:
+            return
+        if error is not None:
+            raise error
+        rank, (text, code) = bad[0]
+        exc = HpctrainError(f"rank {rank}: {text}")
+        exc.exit_code = code
+        raise exc
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (used when one rank cannot go on and the others would hang)."""
         self.mpi.Abort(code)

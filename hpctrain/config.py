@@ -14,6 +14,7 @@ from typing import Any
 from .errors import ConfigError, one_of
 
 COMPRESSIONS = ("none", "lzf", "gzip")
+NORMALIZATIONS = ("none", "standard", "minmax")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 WIRE_FORMATS = ("none", "fp16", "bf16")
@@ -49,6 +50,9 @@ class ShardConfig:
     """Rows per HDF5 chunk; None picks about 1 MiB per chunk of x."""
     force: bool = False
     """Replace an existing OUT."""
+    normalize: str = "none"
+    """none, standard ((x - mean) / std) or minmax (to [0, 1]), per feature, from a streaming pass over the
+    training samples; applied while writing (stored as float32) and recorded in the manifest."""
     image_size: str | None = None
     """imagefolder: resize (shorter side) and center-crop every image to H or HxW pixels."""
     channels: int | None = None
@@ -68,6 +72,8 @@ class ShardConfig:
             raise ConfigError(f"--val-fraction {self.val_fraction!r} must be in [0, 1), e.g. --val-fraction 0.2")
         if self.compression not in COMPRESSIONS:
             raise one_of("--compression", self.compression, COMPRESSIONS)
+        if self.normalize not in NORMALIZATIONS:
+            raise one_of("--normalize", self.normalize, NORMALIZATIONS)
         if self.channels is not None and self.channels not in (1, 3):
             raise ConfigError(f"--channels {self.channels!r} must be 1 (grayscale) or 3 (RGB)")
         if not isinstance(self.workers, int) or self.workers < 0:

@@ -22,9 +22,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .comm import Comm, world
 from .config import ShardConfig
+from .env import read_env
 from .data import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, HpctrainError
 from .progress import Progress
 
 SOURCE_FORMS = ("digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/FILE.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR, "
@@ -239,62 +241,135 @@ def _safe_to_replace(out: Path) -> bool:
         return False
 
 
-def shard(cfg: ShardConfig, *, show_progress: bool = True) -> dict[str, Any]:
-    """Write the shards and manifest for `cfg`; return the manifest."""
-    import h5py
+def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = None) -> dict[str, Any]:
+    """Write the shards and manifest for `cfg`; return the manifest.
 
-    out = cfg.out
-    if out.exists() and not cfg.force:
-        raise ConfigError(f"OUT {str(out)!r} already exists: choose another directory or pass --force to replace it")
-    if out.exists() and not _safe_to_replace(out):
-        raise ConfigError(f"OUT {str(out)!r} exists and is not an hpctrain dataset; refusing to replace it even with --force")
-    source = open_source(cfg.source, cfg.seed, cfg)
+    Under a launcher (`mpirun -n K hpctrain shard ...`) the K ranks write in parallel, each its own files,
+    and rank 0 writes the one manifest at the end; started alone, no MPI is initialized.
+    """
+    if comm is None:
+        comm = world() if read_env().under_launcher else Comm(None)
+    error: HpctrainError | None = None
+    source = None
     try:
+        out = cfg.out
+        if out.exists() and not cfg.force:
+            raise ConfigError(f"OUT {str(out)!r} already exists: choose another directory or pass --force to replace it")
+        if out.exists() and not _safe_to_replace(out):
+            raise ConfigError(f"OUT {str(out)!r} exists and is not an hpctrain dataset; refusing to replace it even with --force")
+        source = open_source(cfg.source, cfg.seed, cfg)
         n_val = int(round(source.n * cfg.val_fraction))
         for split, count in (("train", source.n - n_val), ("val", n_val)):
             if 0 < count < cfg.shards or (split == "train" and count < cfg.shards):
                 raise ConfigError(f"--shards {cfg.shards} is more than the {count} {split} samples of {cfg.source!r}: "
                                   f"use --shards {max(1, min(count, cfg.shards))} or fewer")
+    except HpctrainError as exc:
+        error = exc
+    try:
+        comm.agree(error)
+        assert source is not None
         slot, sizes = assign(source.n, cfg.shards, cfg.val_fraction, cfg.seed)
-        dtype = _store_dtype(source.x_dtype)
+        dtype = np.dtype(np.float32) if cfg.normalize != "none" else _store_dtype(source.x_dtype)
         row_bytes = int(np.prod(source.x_shape, dtype=np.int64)) * dtype.itemsize
         chunk_rows = _chunk_rows(cfg, row_bytes)
         read_rows = max(chunk_rows, _READ_BYTES // max(1, row_bytes))
         created = [p for p in [*out.parents][::-1] if not p.exists()]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        tmp = out.parent / f".{out.name}.tmp-{comm.bcast(os.getpid())}"
+        norm = None
+        if cfg.normalize != "none":
+            norm = comm.bcast(_statistics(cfg, source, slot, read_rows, show_progress) if comm.rank == 0 else None)
+        error = None
+        manifest: dict[str, Any] = {}
         try:
-            manifest = _write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, h5py, show_progress)
-            _commit(tmp, out)
+            if comm.rank == 0:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                for split in SPLITS:
+                    if sizes[split].sum() > 0:
+                        (tmp / split).mkdir(parents=True, exist_ok=True)
+            comm.barrier()
+            digests = _write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, norm, comm,
+                             show_progress and comm.rank == 0)
+        except HpctrainError as exc:
+            error = exc
+        except OSError as exc:
+            error = DataError(f"writing shards into {str(tmp)!r} failed: {exc}")
+        try:
+            comm.agree(error)
+            gathered = comm.gather(digests)
+            if comm.rank == 0:
+                merged = {k: v for part in gathered for k, v in part.items()}
+                manifest = _manifest(cfg, source, sizes, dtype, chunk_rows, norm, merged, tmp)
+                _commit(tmp, out)
+            manifest = comm.bcast(manifest)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            for p in created[::-1]:
-                try:
-                    p.rmdir()
-                except OSError:
-                    pass
+            if comm.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                for p in created[::-1]:
+                    try:
+                        p.rmdir()
+                    except OSError:
+                        pass
             raise
     finally:
-        source.close()
+        if source is not None:
+            source.close()
     return manifest
 
 
+def _statistics(cfg: ShardConfig, source: Source, slot: np.ndarray, read_rows: int, show: bool) -> dict[str, Any]:
+    """Per-feature offset and scale for --normalize, from one streaming pass over the training samples."""
+    is_train = slot < cfg.shards
+    shape = source.x_shape
+    total = np.zeros(shape, np.float64)
+    squares = np.zeros(shape, np.float64)
+    low = np.full(shape, np.inf)
+    high = np.full(shape, -np.inf)
+    n = 0
+    with Progress(source.n, f"statistics for --normalize {cfg.normalize}", enabled=show, unit="samples") as bar:
+        for start in range(0, source.n, read_rows):
+            stop = min(source.n, start + read_rows)
+            x = source.read(start, stop)[is_train[start:stop]].astype(np.float64)
+            n += len(x)
+            if cfg.normalize == "standard":
+                total += x.sum(axis=0)
+                squares += np.square(x).sum(axis=0)
+            elif len(x):
+                low = np.minimum(low, x.min(axis=0))
+                high = np.maximum(high, x.max(axis=0))
+            bar.update(stop - start)
+    if cfg.normalize == "standard":
+        mean = total / max(1, n)
+        std = np.sqrt(np.maximum(squares / max(1, n) - mean**2, 0.0))
+        offset, scale = mean, np.where(std > 0, std, 1.0)
+    else:
+        offset, scale = low, np.where(high > low, high - low, 1.0)
+    return {"method": cfg.normalize, "computed_on": f"train split ({n} samples)", "formula": "x = (x - offset) / scale",
+            "offset": offset.astype(np.float32).tolist(), "scale": scale.astype(np.float32).tolist()}
+
+
 def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, np.ndarray], dtype: np.dtype,
-           chunk_rows: int, read_rows: int, tmp: Path, h5py: Any, show_progress: bool) -> dict[str, Any]:
+           chunk_rows: int, read_rows: int, tmp: Path, norm: dict[str, Any] | None, comm: Comm,
+           show_progress: bool) -> dict[str, str]:
+    """Write this rank's shard files; return {relative path: sha256}."""
+    import h5py
+
     shards = cfg.shards
     filters: dict[str, Any] = {"fletcher32": True}
     if cfg.compression != "none":
         filters.update(compression=cfg.compression, shuffle=True)
     live = [(s, k) for s, split in enumerate(SPLITS) for k in range(shards) if sizes[split][k] > 0]
-    for split in SPLITS:
-        if sizes[split].sum() > 0:
-            (tmp / split).mkdir(parents=True, exist_ok=True)
+    mine = live[comm.rank::comm.size]
+    offset = scale = None
+    if norm is not None:
+        offset = np.asarray(norm["offset"], np.float32)
+        scale = np.asarray(norm["scale"], np.float32)
     # Keep at most this many files open at once; more slots take more passes over the source.
     per_pass = 256
-    with Progress(source.n * -(-len(live) // per_pass), f"shard {cfg.source}", enabled=show_progress,
+    digests: dict[str, str] = {}
+    with Progress(source.n * max(1, -(-len(mine) // per_pass)), f"shard {cfg.source}", enabled=show_progress,
                   unit="samples") as bar:
-        for g in range(0, len(live), per_pass):
-            group = live[g:g + per_pass]
+        for g in range(0, len(mine), per_pass):
+            group = mine[g:g + per_pass]
             files, pos = {}, {}
             try:
                 for s, k in group:
@@ -308,20 +383,26 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
                     pos[s * shards + k] = 0
                 for start in range(0, source.n, read_rows):
                     stop = min(source.n, start + read_rows)
+                    keys = slot[start:stop]
+                    wanted = np.isin(keys, list(files)) if comm.size > 1 or len(group) < len(live) else None
+                    if wanted is not None and not wanted.any():
+                        bar.update(stop - start)
+                        continue
                     x = source.read(start, stop)
                     if x.shape[1:] != source.x_shape:
                         raise DataError(f"{cfg.source!r}: rows {start}:{stop} have shape {x.shape[1:]}, expected {source.x_shape}")
-                    keys = slot[start:stop]
                     order = np.argsort(keys, kind="stable")
-                    sorted_keys = keys[order]
-                    edges = np.flatnonzero(np.diff(sorted_keys)) + 1
+                    edges = np.flatnonzero(np.diff(keys[order])) + 1
                     for run in np.split(order, edges):
                         key = int(keys[run[0]])
                         h5 = files.get(key)
                         if h5 is None:
                             continue
                         p, m = pos[key], len(run)
-                        h5["x"][p:p + m] = x[run].astype(dtype, copy=False)
+                        rows_x = x[run]
+                        if offset is not None:
+                            rows_x = (rows_x.astype(np.float32) - offset) / scale
+                        h5["x"][p:p + m] = rows_x.astype(dtype, copy=False)
                         h5["y"][p:p + m] = source.y[start + run]
                         h5["index"][p:p + m] = start + run
                         pos[key] = p + m
@@ -329,6 +410,14 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
             finally:
                 for h5 in files.values():
                     h5.close()
+            for s, k in group:
+                rel = f"{SPLITS[s]}/{shard_name(k, shards)}"
+                digests[rel] = sha256_file(tmp / rel)
+    return digests
+
+
+def _manifest(cfg: ShardConfig, source: Source, sizes: dict[str, np.ndarray], dtype: np.dtype, chunk_rows: int,
+              norm: dict[str, Any] | None, digests: dict[str, str], tmp: Path) -> dict[str, Any]:
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -336,7 +425,7 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
         "source": cfg.source,
         "seed": cfg.seed,
         "val_fraction": cfg.val_fraction,
-        "num_shards": shards,
+        "num_shards": cfg.shards,
         "num_classes": source.num_classes,
         "num_samples": source.n,
         "x": {"dtype": dtype.name, "shape": list(source.x_shape)},
@@ -347,13 +436,15 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
         **source.meta,
         "splits": {},
     }
-    for s, split in enumerate(SPLITS):
+    if norm is not None:
+        manifest["normalize"] = norm
+    for split in SPLITS:
         if sizes[split].sum() == 0:
             continue
         entries = []
-        for k in range(shards):
-            rel = f"{split}/{shard_name(k, shards)}"
-            entries.append({"file": rel, "samples": int(sizes[split][k]), "sha256": sha256_file(tmp / rel)})
+        for k in range(cfg.shards):
+            rel = f"{split}/{shard_name(k, cfg.shards)}"
+            entries.append({"file": rel, "samples": int(sizes[split][k]), "sha256": digests[rel]})
         manifest["splits"][split] = {"samples": int(sizes[split].sum()), "shards": entries}
     with open(tmp / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=2)

@@ -167,20 +167,6 @@ class _StopFlag:
         self._previous.clear()
 
 
-def _agree(comm: Comm, error: HpctrainError | None) -> None:
-    """Raise on every rank when any rank failed its checks, so no rank walks into a collective alone."""
-    messages = comm.allgather(None if error is None else (type(error).__name__, str(error), error.exit_code))
-    bad = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if not bad:
-        return
-    if error is not None:
-        raise error
-    rank, (kind, text, code) = bad[0]
-    exc = HpctrainError(f"rank {rank}: {text}")
-    exc.exit_code = code
-    raise exc
-
-
 def _setup_logging(run_dir: Path, rank: int) -> logging.Logger:
     log = logging.getLogger(f"hpctrain.rank{rank}")
     log.setLevel(logging.INFO)
@@ -262,7 +248,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         resume_path = _resolve_resume(cfg, warnings.append)
     except HpctrainError as exc:
         error = exc
-    _agree(comm, error)
+    comm.agree(error)
     assert shards is not None and model is not None
 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -283,7 +269,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
             model.load_state_dict(torch.load(cfg.init_weights, map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = ConfigError(f"--init-weights {str(cfg.init_weights)!r} does not fit model {cfg.model!r}: {exc}")
-    _agree(comm, error if comm.rank == 0 else None)
+    comm.agree(error if comm.rank == 0 else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         model.to(device)
@@ -319,12 +305,12 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         state = _load_checkpoint(resume_path, comm)
         meta = state["meta"]
         if meta["data_fingerprint"] != shards.fingerprint:
-            _agree(comm, CheckpointError(
+            comm.agree(CheckpointError(
                 f"checkpoint {str(resume_path)!r} was written for another dataset (manifest fingerprint "
                 f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shards.fingerprint[:12]}): "
                 "point --data at the original shards or start a new --run-dir"))
         if meta["world_size"] != comm.size and meta["step_in_epoch"] != 0:
-            _agree(comm, CheckpointError(
+            comm.agree(CheckpointError(
                 f"checkpoint {str(resume_path)!r} stopped mid-epoch on {meta['world_size']} ranks; resume it on "
                 f"{meta['world_size']} ranks (this job has {comm.size})"))
         for change in _config_changes(meta.get("config", {}), cfg.to_dict()):
@@ -559,7 +545,7 @@ def _load_checkpoint(path: Path, comm: Comm) -> dict[str, Any]:
             state = ckpt.load_files(path)
         except HpctrainError as exc:
             error = exc
-    _agree(comm, error if comm.rank == 0 else None)
+    comm.agree(error if comm.rank == 0 else None)
     return comm.bcast(state)
 
 

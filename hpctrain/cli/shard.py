@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..config import ShardConfig
-from .common import fail, handle_errors
+from .common import fail, handle_errors, is_rank0
 
 
 @handle_errors
@@ -21,6 +21,7 @@ def shard(
     seed: Annotated[int, typer.Option(help="Seed of the train/val split (and of synthetic data).")] = 0,
     compression: Annotated[str, typer.Option(help="HDF5 compression: none, lzf or gzip.")] = "none",
     chunk_rows: Annotated[Optional[int], typer.Option(help="Rows per HDF5 chunk (default: about 1 MiB).")] = None,
+    normalize: Annotated[str, typer.Option(help="none, standard or minmax, per feature from the training samples.")] = "none",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing dataset at OUT.")] = False,
     image_size: Annotated[Optional[str], typer.Option(help="imagefolder: resize and center-crop to H or HxW.")] = None,
     channels: Annotated[Optional[int], typer.Option(help="imagefolder: 1 (grayscale) or 3 (RGB).")] = None,
@@ -36,9 +37,11 @@ def shard(
     from ..sharding import shard as write_shards
 
     cfg = ShardConfig(source=source, out=out, shards=shards, val_fraction=val_fraction, seed=seed,
-                      compression=compression, chunk_rows=chunk_rows, force=force, image_size=image_size,
+                      compression=compression, chunk_rows=chunk_rows, normalize=normalize, force=force, image_size=image_size,
                       channels=channels, skip_bad=skip_bad, workers=workers, label_column=label_column)
     manifest = write_shards(cfg, show_progress=not json_out)
+    if not is_rank0():
+        return
     if json_out:
         print(json.dumps(manifest))
     else:

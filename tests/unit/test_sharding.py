@@ -189,3 +189,15 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, make_source, extra
     assert needle in result.output
     assert "Traceback" not in result.output
     assert set(tmp_path.rglob("*")) == before  # no OUT, no temporary directory, no parent created
+
+
+def test_normalize_minmax_recorded_and_applied(tmp_path: Path) -> None:
+    src = open_source("synthetic:500:3:2", seed=0)
+    shard(ShardConfig(source="synthetic:500:3:2", out=tmp_path / "o", shards=2, normalize="minmax"), show_progress=False)
+    m = load_manifest(tmp_path / "o")
+    norm = m.manifest["normalize"]
+    assert norm["method"] == "minmax" and len(norm["offset"]) == 3
+    x, _, ids = read_all(tmp_path / "o")["train"]
+    assert x.min() >= -1e-6 and x.max() <= 1 + 1e-6
+    raw = src.read(0, 500)[ids]
+    np.testing.assert_allclose(x, (raw - np.array(norm["offset"], np.float32)) / np.array(norm["scale"], np.float32), rtol=1e-6)
