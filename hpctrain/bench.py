@@ -231,3 +231,51 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     result["single_rank_step_ms"] = one_ms
     result["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * batch_size / one_ms)
     return result
+
+
+def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2, shuffle: bool = True) -> dict[str, Any]:
+    """This rank's reader throughput over whole epochs, beside a raw contiguous h5py read of the same shards.
+
+    The raw read is the ceiling: each of the rank's files read front to back in large slices. The reader
+    adds block shuffling, batching, normalization and the prefetch thread.
+    """
+    import h5py
+
+    from .data import ShardReader, load_manifest
+    from .hdf5env import reader_locking
+
+    shards = load_manifest(data)
+    reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch_size, shuffle=shuffle)
+    row_bytes = int(np.prod(shards.x_shape)) * np.dtype(shards.x_dtype).itemsize
+
+    def read_all_raw() -> int:
+        n = 0
+        for f in reader.files:
+            with h5py.File(f.path, "r", locking=reader_locking()) as h5:
+                step = max(1, (64 << 20) // max(1, row_bytes))
+                for s in range(0, f.samples, step):
+                    n += len(h5["x"][s:s + step])
+                    h5["y"][s:s + step]
+        return n
+
+    def read_reader(epoch: int) -> int:
+        return sum(len(b.y) for b in reader.epoch(epoch))
+
+    read_all_raw()  # warm the page cache for both
+    raw_t, reader_t = [], []
+    samples = 0
+    for e in range(epochs):
+        t0 = time.perf_counter()
+        samples = read_all_raw()
+        raw_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        read_reader(e)
+        reader_t.append(time.perf_counter() - t0)
+    reader.close()
+    raw_s = float(comm.allreduce_array([statistics.median(raw_t)], op="max")[0])
+    rd_s = float(comm.allreduce_array([statistics.median(reader_t)], op="max")[0])
+    total = float(comm.allreduce_array([samples])[0])
+    return {"world_size": comm.size, "samples": int(total), "sample_bytes": row_bytes, "batch_size": batch_size,
+            "shuffle": shuffle, "raw_samples_per_s": total / raw_s, "reader_samples_per_s": total / rd_s,
+            "raw_mb_per_s": total * row_bytes / raw_s / 1e6, "reader_mb_per_s": total * row_bytes / rd_s / 1e6,
+            "reader_over_raw": raw_s / rd_s}

@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -193,7 +194,7 @@ class ShardReader:
 
     def __init__(self, shards: ShardSet, split: str, *, rank: int, world: int, batch_size: int,
                  shuffle: bool = True, seed: int = 0, block_rows: int | None = None,
-                 window_rows: int = 1 << 16, prefetch: int = 2):
+                 window_rows: int | None = None, prefetch: int = 2):
         shards.check_world(world)
         self.shards = shards
         self.split = split
@@ -207,11 +208,17 @@ class ShardReader:
         self.samples = int(self.counts[rank])
         self.steps_per_epoch = int(max(0, -(-int(self.counts.max()) // batch_size)))
         row_bytes = max(1, int(np.prod(shards.x_shape)) * np.dtype(shards.x_dtype).itemsize)
-        self.block_rows = block_rows or int(min(4096, max(64, (1 << 20) // row_bytes)))
-        self.window_rows = max(window_rows, self.block_rows)
+        # blocks of about 2 MiB: large enough that h5py's per-read cost is small, small enough to shuffle well
+        self.block_rows = block_rows or int(min(8192, max(64, (2 << 20) // row_bytes)))
+        # a shuffle window holds up to 64 MiB of samples (at most 65,536 of them)
+        self.window_rows = max(window_rows or min(1 << 16, (64 << 20) // row_bytes), self.block_rows)
         self.prefetch = prefetch
         self._handles: dict[Path, Any] = {}
+        self._datasets: dict[tuple[Path, str], Any] = {}
         self._pid = os.getpid()
+        self._ring: list[dict[str, np.ndarray]] = []
+        self._ring_rows = 0
+        self._next = 0
 
     def step_sizes(self, step: int) -> np.ndarray:
         """Every rank's number of samples at `step` of an epoch (0 once a rank has run out)."""
@@ -229,10 +236,11 @@ class ShardReader:
     def _windows(self, epoch: int) -> list[tuple[list[tuple[int, int, int]], int]]:
         """(blocks of the window, seed of its in-window permutation) in stream order."""
         blocks = self._blocks()
-        if not self.shuffle:
-            return [(blocks, -1)] if blocks else []
-        rng = np.random.default_rng([self.seed, epoch, self.rank, self.world, 0])
-        order = [blocks[i] for i in rng.permutation(len(blocks))]
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, self.rank, self.world, 0])
+            order = [blocks[i] for i in rng.permutation(len(blocks))]
+        else:
+            order = blocks
         windows, current, rows = [], [], 0
         for b in order:
             if current and rows + (b[2] - b[1]) > self.window_rows:
@@ -249,7 +257,7 @@ class ShardReader:
 
         if self._pid != os.getpid():
             # a forked worker: never use the parent's HDF5 handles; open our own
-            self._handles, self._pid = {}, os.getpid()
+            self._handles, self._datasets, self._pid = {}, {}, os.getpid()
         handle = self._handles.get(f.path)
         if handle is None:
             try:
@@ -257,6 +265,15 @@ class ShardReader:
             except OSError as exc:
                 raise DataError(f"cannot open shard {str(f.path)!r} ({exc}); check it with `hpctrain verify`") from exc
             self._handles[f.path] = handle
+            try:  # look x up once (h5py's lookup costs more than a small read); y and index are small: read whole
+                self._datasets[(f.path, "x")] = handle["x"]
+                for name in ("y", "index"):
+                    self._datasets[(f.path, name)] = handle[name][()].astype(np.int64, copy=False)
+            except KeyError as exc:
+                raise DataError(f"shard {str(f.path)!r} lacks dataset {exc}; re-create it with `hpctrain shard`") from exc
+            except OSError as exc:
+                raise DataError(f"cannot read y/index of shard {str(f.path)!r} ({exc}); the file is corrupt: check it "
+                                "with `hpctrain verify` and re-create it with `hpctrain shard`") from exc
         return handle
 
     @staticmethod
@@ -275,78 +292,106 @@ class ShardReader:
         return "?"
 
     def _read(self, blocks: list[tuple[int, int, int]], only_indices: bool = False) -> tuple[np.ndarray, ...]:
-        xs, ys, idx = [], [], []
+        """The rows of `blocks`, in block order, read straight into one array per dataset (runs of adjacent
+        blocks of one file become one contiguous read)."""
+        runs: list[list[int]] = []
         for i, start, stop in blocks:
+            if runs and runs[-1][0] == i and runs[-1][2] == start:
+                runs[-1][2] = stop
+            else:
+                runs.append([i, start, stop])
+        total = sum(stop - start for _, start, stop in runs)
+        names = ("index",) if only_indices else ("x", "y", "index")
+        if only_indices:
+            out = {"index": np.empty(total, np.int64)}
+        else:
+            out = self._window_buffers(total)
+        offset = 0
+        for i, start, stop in runs:
             f = self.files[i]
             h5 = self._open(f)
+            n = stop - start
             try:
-                if not only_indices:
-                    xs.append(h5["x"][start:stop])
-                    ys.append(h5["y"][start:stop])
-                idx.append(h5["index"][start:stop])
-            except (OSError, KeyError) as exc:
+                for name in names:
+                    ds = self._datasets[(f.path, name)]
+                    if isinstance(ds, np.ndarray):
+                        out[name][offset:offset + n] = ds[start:stop]
+                    elif ds.dtype == out[name].dtype:
+                        ds.read_direct(out[name], np.s_[start:stop], np.s_[offset:offset + n])
+                    else:
+                        out[name][offset:offset + n] = ds[start:stop]
+            except (OSError, KeyError, TypeError) as exc:
                 chunk = self._bad_chunk(h5, start, stop)
                 raise DataError(f"cannot read rows {start}:{stop} (HDF5 chunk {chunk}) of shard {str(f.path)!r}: "
                                 f"{exc}; the file is corrupt or truncated: check it with `hpctrain verify` and "
                                 "re-create it with `hpctrain shard`") from exc
-        if only_indices:
-            return (np.concatenate(idx) if idx else np.empty(0, np.int64),)
-        return np.concatenate(xs), np.concatenate(ys).astype(np.int64, copy=False), np.concatenate(idx)
+            offset += n
+        return tuple(out[name] for name in names)
 
-    def _stream(self, epoch: int, skip: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Windows of (x, y, index) in stream order, skipping the first `skip` samples without reading them."""
+    def _window_buffers(self, rows: int) -> dict[str, np.ndarray]:
+        """Views of `rows` rows of the next buffer in a ring of three, allocated once per reader: a fresh
+        window-sized array every time would cost a page fault per 4 KiB (big arrays are mmapped). Three,
+        because a batch can straddle two windows while the next one is read; batches are copies."""
+        if rows > self._ring_rows:
+            self._ring_rows, self._ring = rows, []
+        if len(self._ring) < 3:
+            self._ring.append({"x": np.empty((self._ring_rows, *self.shards.x_shape), np.dtype(self.shards.x_dtype)),
+                               "y": np.empty(self._ring_rows, np.int64), "index": np.empty(self._ring_rows, np.int64)})
+            bufs = self._ring[-1]
+        else:
+            bufs = self._ring[self._next % 3]
+        self._next += 1
+        return {name: b[:rows] for name, b in bufs.items()}
+
+    def _stream(self, epoch: int, skip: int) -> Iterator[list[Any]]:
+        """Windows [x, y, index, order, cursor] in stream order; `order` is the in-window permutation (None:
+        file order); the first `skip` samples of the epoch are skipped without reading them."""
         for blocks, wseed in self._windows(epoch):
             rows = sum(b[2] - b[1] for b in blocks)
             if skip >= rows:
                 skip -= rows
                 continue
-            if not self.shuffle:
-                # Contiguous: read only what is needed, a block at a time.
-                for b in blocks:
-                    n = b[2] - b[1]
-                    if skip >= n:
-                        skip -= n
-                        continue
-                    x, y, ix = self._read([(b[0], b[1] + skip, b[2])])
-                    skip = 0
-                    yield x, y, ix
-                continue
             x, y, ix = self._read(blocks)
-            perm = np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed]).permutation(rows)
-            perm = perm[skip:]
+            order = None
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed]).permutation(rows)
+            yield [x, y, ix, order, skip]
             skip = 0
-            yield x[perm], y[perm], ix[perm]
 
     def _batches(self, epoch: int, start_step: int) -> Iterator[Batch]:
         B = self.batch_size
-        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        have = 0
+        pending: deque[list[Any]] = deque()
         stream = self._stream(epoch, start_step * B)
         empty = Batch(self.shards.normalize(np.empty((0, *self.shards.x_shape), self.shards.x_dtype)),
                       np.empty(0, np.int64), np.empty(0, np.int64))
         for step in range(start_step, self.steps_per_epoch):
             want = int(self.step_sizes(step)[self.rank])
-            while have < want:
-                part = next(stream)
-                pending.append(part)
-                have += len(part[0])
             if want == 0:
                 yield empty
                 continue
-            xs, ys, ixs, got = [], [], [], 0
+            pieces, got = [], 0
             while got < want:
-                x, y, ix = pending[0]
-                take = min(want - got, len(x))
-                xs.append(x[:take]); ys.append(y[:take]); ixs.append(ix[:take])
-                got += take
-                if take == len(x):
-                    pending.pop(0)
+                if not pending:
+                    pending.append(next(stream))
+                window = pending[0]
+                x, y, ix, order, cursor = window
+                take = min(want - got, len(x) - cursor)
+                # one copy per batch (a slice in file order, a gather when shuffled): window buffers are reused
+                if order is None:
+                    sel: Any = slice(cursor, cursor + take)
+                    pieces.append((x[sel].copy(), y[sel].copy(), ix[sel].copy()))
                 else:
-                    pending[0] = (x[take:], y[take:], ix[take:])
-            have -= want
-            x = xs[0] if len(xs) == 1 else np.concatenate(xs)
-            yield Batch(self.shards.normalize(x), ys[0] if len(ys) == 1 else np.concatenate(ys),
-                        ixs[0] if len(ixs) == 1 else np.concatenate(ixs))
+                    sel = order[cursor:cursor + take]
+                    pieces.append((x[sel], y[sel], ix[sel]))
+                got += take
+                window[4] = cursor + take
+                if window[4] == len(x):
+                    pending.popleft()
+            if len(pieces) == 1:
+                bx, by, bix = pieces[0]
+            else:
+                bx, by, bix = (np.concatenate([p[k] for p in pieces]) for k in range(3))
+            yield Batch(self.shards.normalize(bx), by, bix)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """The batches of `epoch` from `start_step` on, read ahead by a background thread."""
@@ -401,6 +446,7 @@ class ShardReader:
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
     def close(self) -> None:
+        self._datasets.clear()
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()

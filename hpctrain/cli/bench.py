@@ -106,3 +106,36 @@ def train(
         print(f"  sync all grads     {result['sync_ms']:8.2f} ms  vs one raw Allreduce {result['raw_allreduce_ms']:.2f} ms "
               f"({result['sync_over_raw']:.2f}x)")
     print(f"  one rank alone     {result['single_rank_step_ms']:8.2f} ms  scaling efficiency {result['scaling_efficiency']:.2f}")
+
+
+@app.command()
+@handle_errors
+def data(
+    directory: Annotated[str, typer.Argument(help="A directory written by `hpctrain shard`.")],
+    batch_size: Annotated[int, typer.Option(help="Samples per batch.")] = 256,
+    epochs: Annotated[int, typer.Option(help="Epochs to time (median).")] = 2,
+    shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Time the shuffled order.")] = True,
+    n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Reader throughput beside a raw contiguous h5py read of the same shards.
+
+    Example: hpctrain bench data data/ --json
+    """
+    _relaunch(n)
+    from ..bench import bench_data
+    from ..comm import Comm, world
+    from ..env import read_env
+
+    comm = world() if read_env().under_launcher else Comm(None)
+    result = bench_data(comm, directory, batch_size=batch_size, epochs=epochs, shuffle=shuffle)
+    if not is_rank0():
+        return
+    if json_out:
+        print(json.dumps(result))
+        return
+    print(f"{result['samples']} samples of {result['sample_bytes']} bytes on {result['world_size']} rank(s), "
+          f"batch {result['batch_size']}, shuffle {result['shuffle']}")
+    print(f"  raw contiguous h5py  {result['raw_samples_per_s']:12.0f} samples/s  {result['raw_mb_per_s']:8.1f} MB/s")
+    print(f"  hpctrain reader      {result['reader_samples_per_s']:12.0f} samples/s  {result['reader_mb_per_s']:8.1f} MB/s"
+          f"  ({result['reader_over_raw']:.2f}x raw)")
