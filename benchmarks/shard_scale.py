@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Sharding a large HDF5 source (issue: data at supercomputer scale).
+
+Writes a ~2.4 GB HDF5 source (784 float32 features per sample, written in chunks), then times
+  1. a plain chunked h5py copy of the same bytes into 4 files (the baseline), and
+  2. `hpctrain shard SRC OUT --shards 4 --val-fraction 0` (split, fletcher32, sha256, fsync, manifest),
+and reports the wall-time ratio (target <= 2x) and the shard command's peak RSS (target < 1 GiB).
+
+    python benchmarks/shard_scale.py [--gb 2.4] [--dir /tmp] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+FEATURES = 784
+
+
+def make_source(path: Path, rows: int) -> None:
+    with h5py.File(path, "w") as h5:
+        x = h5.create_dataset("x", (rows, FEATURES), np.float32, chunks=(1024, FEATURES))
+        y = h5.create_dataset("y", (rows,), np.int64, chunks=(65536,))
+        rng = np.random.default_rng(0)
+        step = 65536
+        for s in range(0, rows, step):
+            e = min(rows, s + step)
+            x[s:e] = rng.standard_normal((e - s, FEATURES), dtype=np.float32)
+            y[s:e] = rng.integers(0, 10, e - s)
+
+
+def plain_copy(src: Path, out: Path, parts: int = 4) -> float:
+    out.mkdir()
+    t0 = time.perf_counter()
+    with h5py.File(src, "r") as h5:
+        rows = h5["x"].shape[0]
+        bounds = np.linspace(0, rows, parts + 1).astype(int)
+        step = 65536
+        for k in range(parts):
+            lo, hi = bounds[k], bounds[k + 1]
+            with h5py.File(out / f"part-{k}.h5", "w") as o:
+                ox = o.create_dataset("x", (hi - lo, FEATURES), np.float32, chunks=(334, FEATURES))
+                oy = o.create_dataset("y", (hi - lo,), np.int64, chunks=(4096,))
+                for s in range(lo, hi, step):
+                    e = min(hi, s + step)
+                    ox[s - lo:e - lo] = h5["x"][s:e]
+                    oy[s - lo:e - lo] = h5["y"][s:e]
+    return time.perf_counter() - t0
+
+
+def hpctrain_shard(src: Path, out: Path) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain", "shard", str(src), str(out), "--shards", "4",
+                             "--val-fraction", "0", "--json"], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit("hpctrain shard failed")
+    return wall, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=2.4)
+    ap.add_argument("--dir", default=None, help="where to put the ~3x GB of temporary files")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = int(args.gb * 1e9 / (FEATURES * 4))
+    tmp = Path(tempfile.mkdtemp(dir=args.dir))
+    try:
+        src = tmp / "source.h5"
+        make_source(src, rows)
+        copies, shards, rss = [], [], []
+        for i in range(2):  # alternate, median-free: report both and the best of each
+            copies.append(plain_copy(src, tmp / f"copy{i}"))
+            shutil.rmtree(tmp / f"copy{i}")
+            wall, peak = hpctrain_shard(src, tmp / f"shards{i}")
+            shards.append(wall)
+            rss.append(peak)
+            shutil.rmtree(tmp / f"shards{i}")
+        result = {"source_gb": src.stat().st_size / 1e9, "rows": rows, "plain_copy_s": min(copies),
+                  "hpctrain_shard_s": min(shards), "ratio": min(shards) / min(copies),
+                  "peak_rss_mib": max(rss) / 2**20, "all_copy_s": copies, "all_shard_s": shards}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"source {result['source_gb']:.2f} GB ({rows} x {FEATURES} float32)")
+        print(f"plain chunked h5py copy into 4 files: {result['plain_copy_s']:.1f} s")
+        print(f"hpctrain shard --shards 4:            {result['hpctrain_shard_s']:.1f} s ({result['ratio']:.2f}x), "
+              f"peak RSS {result['peak_rss_mib']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
