@@ -194,7 +194,8 @@ class ShardReader:
 
     def __init__(self, shards: ShardSet, split: str, *, rank: int, world: int, batch_size: int,
                  shuffle: bool = True, seed: int = 0, block_rows: int | None = None,
-                 window_rows: int | None = None, prefetch: int = 2):
+                 window_rows: int | None = None, prefetch: int = 2, exclude: np.ndarray | None = None,
+                 segment: int = 0):
         shards.check_world(world)
         self.shards = shards
         self.split = split
@@ -205,6 +206,12 @@ class ShardReader:
         self.seed = seed
         self.files = shards.rank_shards(split, rank, world)
         self.counts = np.array([sum(f.samples for f in shards.rank_shards(split, r, world)) for r in range(world)])
+        # Elastic resume: the rest of an epoch started on another world size. `exclude` holds the ids already
+        # trained on this epoch; `segment` numbers the world-size changes inside the epoch (it salts the order).
+        self._salt = [segment] if segment else []
+        self._keep: dict[int, np.ndarray] | None = None
+        if exclude is not None and len(exclude):
+            self._keep, self.counts = self._exclusion(np.unique(exclude))
         self.samples = int(self.counts[rank])
         self.steps_per_epoch = int(max(0, -(-int(self.counts.max()) // batch_size)))
         row_bytes = max(1, int(np.prod(shards.x_shape)) * np.dtype(shards.x_dtype).itemsize)
@@ -219,6 +226,29 @@ class ShardReader:
         self._ring: list[dict[str, np.ndarray]] = []
         self._ring_rows = 0
         self._next = 0
+
+    def _exclusion(self, exclude: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """Keep masks of this rank's files and every rank's remaining sample count."""
+        import h5py
+
+        counts, masks = [], {}
+        for r in range(self.world):
+            n = 0
+            for i, f in enumerate(self.shards.rank_shards(self.split, r, self.world)):
+                with h5py.File(f.path, "r", locking=reader_locking()) as h5:
+                    ids = h5["index"][()]
+                pos = np.searchsorted(exclude, ids).clip(max=len(exclude) - 1)
+                keep = exclude[pos] != ids
+                n += int(keep.sum())
+                if r == self.rank:
+                    masks[i] = keep
+            counts.append(n)
+        return masks, np.array(counts)
+
+    def _kept(self, blocks: list[tuple[int, int, int]]) -> np.ndarray | None:
+        if self._keep is None:
+            return None
+        return np.concatenate([self._keep[i][a:b] for i, a, b in blocks]) if blocks else np.zeros(0, bool)
 
     def step_sizes(self, step: int) -> np.ndarray:
         """Every rank's number of samples at `step` of an epoch (0 once a rank has run out)."""
@@ -237,7 +267,7 @@ class ShardReader:
         """(blocks of the window, seed of its in-window permutation) in stream order."""
         blocks = self._blocks()
         if self.shuffle:
-            rng = np.random.default_rng([self.seed, epoch, self.rank, self.world, 0])
+            rng = np.random.default_rng([self.seed, epoch, self.rank, self.world, 0, *self._salt])
             order = [blocks[i] for i in rng.permutation(len(blocks))]
         else:
             order = blocks
@@ -347,14 +377,17 @@ class ShardReader:
         """Windows [x, y, index, order, cursor] in stream order; `order` is the in-window permutation (None:
         file order); the first `skip` samples of the epoch are skipped without reading them."""
         for blocks, wseed in self._windows(epoch):
-            rows = sum(b[2] - b[1] for b in blocks)
+            kept = self._kept(blocks)
+            rows = sum(b[2] - b[1] for b in blocks) if kept is None else int(kept.sum())
             if skip >= rows:
                 skip -= rows
                 continue
             x, y, ix = self._read(blocks)
+            if kept is not None:
+                x, y, ix = x[kept], y[kept], ix[kept]
             order = None
             if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed]).permutation(rows)
+                order = np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed, *self._salt]).permutation(rows)
             yield [x, y, ix, order, skip]
             skip = 0
 
@@ -439,14 +472,34 @@ class ShardReader:
             if need <= 0:
                 break
             (ix,) = self._read(blocks, only_indices=True)
+            kept = self._kept(blocks)
+            if kept is not None:
+                ix = ix[kept]
             if self.shuffle:
-                ix = ix[np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed]).permutation(len(ix))]
+                ix = ix[np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed, *self._salt]).permutation(len(ix))]
             out.append(ix[:need])
             need -= len(ix[:need])
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
     def close(self) -> None:
+        self._ring = []
         self._datasets.clear()
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
+
+
+def epoch_remainder(shards: ShardSet, split: str, segments: list[tuple[int, int]], *, batch_size: int,
+                    shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """Ids already trained on in `epoch` by earlier segments [(world size, steps), ...]: the sets each of
+    their ranks consumed, each segment reading what the ones before it left. Pure function of its inputs."""
+    done = np.empty(0, np.int64)
+    for j, (world, steps) in enumerate(segments):
+        parts = [done]
+        for r in range(world):
+            reader = ShardReader(shards, split, rank=r, world=world, batch_size=batch_size, shuffle=shuffle,
+                                 seed=seed, exclude=done, segment=j, prefetch=0)
+            parts.append(reader.consumed(epoch, steps))
+            reader.close()
+        done = np.concatenate(parts)
+    return done

@@ -27,7 +27,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from .comm import Comm, GradSync, world
 from .config import TrainConfig
-from .data import ShardReader, ShardSet, load_manifest
+from .data import ShardReader, ShardSet, epoch_remainder, load_manifest
 from .env import RankEnv, read_env, select_device
 from .errors import CheckpointError, ConfigError, HpctrainError
 from .models import build_model
@@ -276,14 +276,46 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
     torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
 
-    reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=cfg.batch_size * cfg.accumulate,
-                         shuffle=cfg.shuffle, seed=cfg.seed)
+    # -- where to start: fresh, or a checkpoint (maybe written on another world size, mid-epoch) ------
+    step, start_epoch, start_in_epoch, resumed_from = 0, 0, 0, None
+    prior: list[tuple[int, int]] = []  # (world size, steps) of this epoch's earlier segments
+    state = _load_checkpoint(resume_path, comm) if resume_path is not None else None
+    meta = state["meta"] if state is not None else None
+    if meta is not None:
+        if meta["data_fingerprint"] != shards.fingerprint:
+            comm.agree(CheckpointError(
+                f"checkpoint {str(resume_path)!r} was written for another dataset (manifest fingerprint "
+                f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shards.fingerprint[:12]}): "
+                "point --data at the original shards or start a new --run-dir"))
+        segments = [tuple(seg) for seg in meta.get("segments", [])]
+        if not segments and meta["step_in_epoch"]:
+            segments = [(meta["world_size"], meta["step_in_epoch"])]
+        step, start_epoch, resumed_from = int(meta["step"]), int(meta["epoch"]), int(meta["step"])
+        if segments and segments[-1][0] == comm.size:
+            prior, start_in_epoch = segments[:-1], segments[-1][1]
+        else:
+            prior = segments  # elastic: a new segment of this epoch on this world size
+    batch = cfg.batch_size * cfg.accumulate
+    reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle,
+                         seed=cfg.seed)
+    first_reader = reader
+    if prior:
+        done = epoch_remainder(shards, "train", prior, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
+                               epoch=start_epoch)
+        first_reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch,
+                                   shuffle=cfg.shuffle, seed=cfg.seed, exclude=done, segment=len(prior))
+        log.info("elastic resume: %d samples of epoch %d done on %s; %d left for %d ranks", len(done), start_epoch,
+                 prior, int(first_reader.counts.sum()), comm.size)
     val_reader = (ShardReader(shards, "val", rank=comm.rank, world=comm.size, batch_size=max(cfg.batch_size, 256),
                               shuffle=False, prefetch=0) if "val" in shards.splits else None)
     steps_per_epoch = reader.steps_per_epoch
-    total_steps = cfg.epochs * steps_per_epoch
+    if start_epoch < cfg.epochs:
+        total_steps = (step + first_reader.steps_per_epoch - start_in_epoch
+                       + (cfg.epochs - start_epoch - 1) * steps_per_epoch)
+    else:
+        total_steps = step
     if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
+        total_steps = min(total_steps, max(cfg.max_steps, step))
     optimizer = _optimizer(cfg, model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg.schedule, total_steps))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
@@ -297,22 +329,12 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                                      mtbf_hours=cfg.mtbf_hours, log=log.error)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
-    step, start_epoch, start_in_epoch, resumed_from = 0, 0, 0, None
     metrics_path = cfg.run_dir / "metrics.jsonl"
-    audit_path = cfg.run_dir / "samples" / f"rank-{comm.rank:04d}.txt"
+    audit_dir = cfg.run_dir / "samples"
+    audit_path = audit_dir / f"rank-{comm.rank:04d}.txt"
     timing_path = cfg.run_dir / "logs" / f"rank-{comm.rank:04d}.jsonl"
-    if resume_path is not None:
-        state = _load_checkpoint(resume_path, comm)
-        meta = state["meta"]
-        if meta["data_fingerprint"] != shards.fingerprint:
-            comm.agree(CheckpointError(
-                f"checkpoint {str(resume_path)!r} was written for another dataset (manifest fingerprint "
-                f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shards.fingerprint[:12]}): "
-                "point --data at the original shards or start a new --run-dir"))
-        if meta["world_size"] != comm.size and meta["step_in_epoch"] != 0:
-            comm.agree(CheckpointError(
-                f"checkpoint {str(resume_path)!r} stopped mid-epoch on {meta['world_size']} ranks; resume it on "
-                f"{meta['world_size']} ranks (this job has {comm.size})"))
+    audit_frozen: dict[str, int] = {}  # audit files of ranks beyond this world size (earlier segments)
+    if state is not None:
         for change in _config_changes(meta.get("config", {}), cfg.to_dict()):
             log.warning("config changed since the checkpoint: %s", change)
             if comm.rank == 0:
@@ -321,24 +343,30 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         model.to(device)
         optimizer.load_state_dict(state["train"]["optimizer"])
         scheduler.load_state_dict(state["train"]["scheduler"])
-        step = int(meta["step"])
-        start_epoch, start_in_epoch = int(meta["epoch"]), int(meta["step_in_epoch"])
-        resumed_from = step
         if meta["world_size"] == comm.size:
-            mine = state["ranks"][comm.rank]
-            _set_rng_state(mine["rng"])
-            if cfg.audit_samples:
-                _truncate_lines(audit_path, mine["audit_lines"])
+            _set_rng_state(state["ranks"][comm.rank]["rng"])
+        known = {**meta.get("audit_frozen", {}),
+                 **{f"rank-{r:04d}.txt": int(st["audit_lines"]) for r, st in enumerate(state["ranks"])}}
+        audit_frozen = {name: n for name, n in known.items() if int(name[5:9]) >= comm.size}
         if comm.rank == 0:
             _keep_metrics(metrics_path, step)
+            if audit_dir.is_dir():  # drop what was trained after the checkpoint, on every rank's file
+                for path in audit_dir.glob("rank-*.txt"):
+                    if path.name in known:
+                        _truncate_lines(path, known[path.name])
+                    else:
+                        path.unlink()
         _keep_metrics(timing_path, step)
-        log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", resume_path, step, start_epoch, start_in_epoch)
+        log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", resume_path, step, start_epoch,
+                 start_in_epoch)
     else:
         for path in (metrics_path if comm.rank == 0 else None, timing_path):
             if path is not None and path.exists():
                 path.unlink()
+    if comm.rank == 0 and (cfg.run_dir / "summary.json").exists():
+        (cfg.run_dir / "summary.json").unlink()  # a summary always describes the run that wrote it
     if cfg.audit_samples:
-        audit_path.parent.mkdir(parents=True, exist_ok=True)
+        audit_dir.mkdir(parents=True, exist_ok=True)
         if resumed_from is None and audit_path.exists():
             audit_path.unlink()
     comm.barrier()
@@ -359,14 +387,15 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     samples_seen = 0
     stop_signal: int | None = None
 
-    def state_for(epoch: int, in_epoch: int) -> dict[str, Any]:
+    def state_for(epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
+        if audit is not None:
+            audit.flush()  # the line count in the checkpoint must be on disk
         return dict(
             model_state=model.state_dict(),
             train_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
             rank_state={"rng": _rng_state(), "audit_lines": audit_lines},
-            meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": comm.size,
-                  "data_fingerprint": shards.fingerprint, "config": cfg.to_dict(),
-                  "param_sha256": None},
+            meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": comm.size, "segments": segments,
+                  "audit_frozen": audit_frozen, "data_fingerprint": shards.fingerprint, "config": cfg.to_dict()},
         )
 
     try:
@@ -374,13 +403,15 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         while step < total_steps:
             model.train()
             first = start_in_epoch if epoch == start_epoch else 0
-            batches = reader.epoch(epoch, first)
+            r = first_reader if epoch == start_epoch else reader
+            done_before = prior if epoch == start_epoch else []
+            batches = r.epoch(epoch, first)
             in_epoch = first
             t_data = time.perf_counter()
             for batch in batches:
                 t0 = time.perf_counter()
                 data_s = t0 - t_data
-                sizes = reader.step_sizes(in_epoch)
+                sizes = r.step_sizes(in_epoch)
                 global_n = int(sizes.sum())
                 n_local = len(batch.y)
                 loss_value = train_step(model, sync, optimizer, loss_fn, batch.x, batch.y, global_n,
@@ -401,7 +432,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                 window["steps"] += 1
                 epoch_loss["sum"] += loss_value
                 epoch_loss["n"] += n_local
-                end_of_epoch = in_epoch == steps_per_epoch
+                end_of_epoch = in_epoch == r.steps_per_epoch
                 last = step >= total_steps
                 if step % cfg.log_every == 0 or end_of_epoch or last:
                     loss_tot, n_tot = comm.allreduce_array([window["loss"], window["n"]])
@@ -438,7 +469,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                     window = {"loss": 0.0, "n": 0.0, "t": time.perf_counter(), "step_s": 0.0, "comm_s": 0.0,
                               "data_s": 0.0, "steps": 0}
                 bar.update(1, loss=f"{loss_value / max(1, n_local):.4f}", epoch=epoch)
-                position = (epoch + 1, 0) if end_of_epoch else (epoch, in_epoch)
+                position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (comm.size, in_epoch)])
                 if manager.save(step, lambda: state_for(*position), stop_requested=stop.signum is not None,
                                 final=last):
                     stop_signal = stop.signum or signal.SIGTERM
@@ -456,6 +487,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         stop.restore()
         sync.close()
         reader.close()
+        first_reader.close()
         if val_reader is not None:
             val_reader.close()
         if metrics is not None:

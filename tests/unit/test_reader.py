@@ -123,3 +123,22 @@ def test_forked_reader_opens_its_own_handles(bigger: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert np.array_equal(next(iter(r.epoch(0))).index, first)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_elastic_rest_of_epoch_on_another_world_size(bigger: Path, shuffle: bool) -> None:
+    from hpctrain.data import epoch_remainder
+
+    shards = load_manifest(bigger)
+    kw = dict(batch_size=64, shuffle=shuffle, seed=5)
+    # 4 ranks train 9 steps of epoch 3, then 2 ranks 5 steps, then 1 rank finishes the epoch
+    done = epoch_remainder(shards, "train", [(4, 9), (2, 5)], epoch=3, **kw)
+    assert len(done) == 4 * 9 * 64 + 2 * 5 * 64 and len(np.unique(done)) == len(done)
+    rest = ShardReader(shards, "train", rank=0, world=1, exclude=done, segment=2, **kw)
+    tail = np.concatenate([b.index for b in rest.epoch(3)])
+    everything = np.concatenate([done, tail])
+    assert len(everything) == 5003 and len(np.unique(everything)) == 5003
+    # a resume inside the remainder on the same world size replays it exactly
+    again = ShardReader(shards, "train", rank=0, world=1, exclude=done, segment=2, **kw)
+    part = [b.index for b in again.epoch(3, start_step=3)]
+    np.testing.assert_array_equal(np.concatenate(part), tail[3 * 64:])
