@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from hpctrain.cli.main import app
 
 runner = CliRunner()
-COMMANDS = [["shard"], ["verify"], ["train"], ["launch"], ["doctor"]]
+COMMANDS = [["shard"], ["verify"], ["train"], ["launch"], ["doctor"], ["report"], ["container", "recipe"],
+            ["container", "build"], ["bench", "allreduce"], ["bench", "train"], ["bench", "data"]]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)

@@ -1,0 +1,415 @@
+"""`hpctrain report`: turn a run directory into PNG plots and a short markdown summary.
+
+This module owns reading what `train` leaves in RUN (metrics.jsonl, logs/rank-NNNN.jsonl, summary.json,
+config.toml) and drawing it. It reads a run that is still going: the trainer appends to the jsonl files, so
+an unterminated last line is a line being written and is skipped, and a missing summary.json means "in
+progress". Nothing here imports torch or MPI; matplotlib is imported inside the drawing functions only,
+and it draws through the Agg canvas directly (no pyplot, no global backend switch), so a report can be made
+on a login node with no display, from a process that already uses another backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, DataError
+
+PLOTS = {
+    "loss": "loss.png",
+    "accuracy": "accuracy.png",
+    "throughput": "throughput.png",
+    "timing": "timing.png",
+}
+"""The PNGs every report writes (a plot with no data yet says so), so their names are stable for scripts."""
+
+_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "data": "#55A868"}
+_TABLE_ROWS = 10  # epochs / ranks listed in report.md before the tables are cut to the last / slowest ones
+
+
+# -- reading a run -------------------------------------------------------------------------------------------
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a jsonl file that a writer may still be appending to.
+
+    An unterminated last line that does not parse is a line being written and is skipped; any other line
+    that is not a JSON object is corruption and raises DataError naming the file and line.
+    """
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # no newline after it yet: the writer is mid-line
+                continue
+            raise DataError(f"{path}:{number} is not valid JSON ({exc.msg}); the file is damaged: remove that "
+                            "line or re-run the training") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{number} is not a JSON object; the file is damaged: remove that line or "
+                            "re-run the training")
+        records.append(obj)
+    return records
+
+
+def by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records with a numeric step, sorted by step, keeping the last one written for a repeated step."""
+    latest = {}
+    for rec in records:
+        if isinstance(rec.get("step"), (int, float)):
+            latest[rec["step"]] = rec
+    return [latest[s] for s in sorted(latest)]
+
+
+def load_run(run_dir: Path) -> dict[str, Any]:
+    """Everything a report needs from RUN: metrics, per-rank timing, summary (None while in progress), config.
+
+    Raises ConfigError when RUN is not a directory and DataError when it has no logged step yet.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist: pass the --run-dir of a "
+                          "`hpctrain train` run")
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} is not a directory: pass the --run-dir of a "
+                          "`hpctrain train` run")
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise DataError(f"no {metrics_path} yet: is {str(run_dir)!r} a `hpctrain train` run dir? If it is "
+                        "starting, wait until it logs its first step (--log-every), then run report again")
+    metrics = by_step(read_jsonl(metrics_path))
+    if not metrics:
+        raise DataError(f"{metrics_path} has no complete step yet: wait until the run logs its first step "
+                        "(--log-every), then run report again")
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((run_dir / "logs").glob("rank-*.jsonl")):
+        try:
+            rank = int(path.stem.split("-", 1)[1])
+        except ValueError:
+            continue
+        records = by_step(read_jsonl(path))
+        if records:
+            ranks[rank] = records
+    summary, stale = None, None
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{summary_path} is not valid JSON ({exc.msg}); the file is damaged: delete it "
+                            "and the report shows the run as in progress") from None
+        if not isinstance(summary, dict):
+            raise DataError(f"{summary_path} is not a JSON object; the file is damaged: delete it and the report "
+                            "shows the run as in progress")
+        # A run ends by logging its last step and then writing the summary, so a summary whose step count is
+        # not the last logged step belongs to an earlier run in this directory (resumed or restarted since).
+        if summary.get("steps") != metrics[-1]["step"]:
+            summary, stale = None, summary.get("steps", "?")
+        elif isinstance(summary.get("world_size"), int):  # drop rank logs left by an earlier run on more ranks
+            ranks = {r: recs for r, recs in ranks.items() if r < summary["world_size"]}
+    return {"run_dir": run_dir, "metrics": metrics, "ranks": ranks, "summary": summary, "stale_summary": stale,
+            "config": _read_config(run_dir / "config.toml")}
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - the tomli dependency covers 3.10
+        import tomli as tomllib
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None  # the config is context for the reader, not needed for the numbers
+
+
+# -- numbers -------------------------------------------------------------------------------------------------
+
+def epochs(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The end-of-epoch records (the ones that carry validation or the epoch's train loss)."""
+    return [m for m in metrics if "val_accuracy" in m or "val_loss" in m or "epoch_train_loss" in m]
+
+
+def step_parts(rec: dict[str, Any]) -> dict[str, float]:
+    """Compute, comm and data ms per step of one per-rank timing record (compute = step - comm if absent)."""
+    comm = float(rec.get("comm_ms", 0.0))
+    compute = float(rec.get("compute_ms", float(rec.get("step_ms", 0.0)) - comm))
+    return {"compute": compute, "comm": comm, "data": float(rec.get("data_ms", 0.0))}
+
+
+def rank_means(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean compute, comm and data ms per step of one rank, each logged window weighted by its steps."""
+    total = {"compute": 0.0, "comm": 0.0, "data": 0.0}
+    steps, previous = 0.0, 0
+    for rec in records:
+        n = max(1, rec["step"] - previous)
+        previous = rec["step"]
+        for part, ms in step_parts(rec).items():
+            total[part] += n * ms
+        steps += n
+    return {k: v / steps for k, v in total.items()} if steps else total
+
+
+# -- plots ---------------------------------------------------------------------------------------------------
+
+def _figure(width: float = 7.0, height: float = 4.0) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _empty(ax: Any, note: str) -> None:
+    ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _epoch_lines(ax: Any, metrics: list[dict[str, Any]]) -> None:
+    ends = [m["step"] for m in epochs(metrics)]
+    if 0 < len(ends) <= 30:  # more would hide the data
+        for step in ends:
+            ax.axvline(step, color="0.85", linewidth=0.8, zorder=0)
+
+
+def _save(fig: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)  # someone may be viewing the report while it is regenerated
+
+
+def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Training loss per logged step, and validation loss at the end of each epoch."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    train = [m for m in metrics if "loss" in m]
+    val = [m for m in metrics if "val_loss" in m]
+    if not train and not val:
+        _empty(ax, "no loss logged yet")
+    else:
+        _epoch_lines(ax, metrics)
+        ax.plot([m["step"] for m in train], [m["loss"] for m in train], label="train loss (logged window)",
+                color="#4C72B0", linewidth=1.2)
+        if val:
+            ax.plot([m["step"] for m in val], [m["val_loss"] for m in val], "o-", label="validation loss (epoch end)",
+                    color="#C44E52", markersize=4)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax.set_title(f"Loss: {title}")
+    _save(fig, path)
+
+
+def plot_accuracy(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Validation accuracy per epoch, the best epoch marked."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    val = [m for m in epochs(metrics) if "val_accuracy" in m]
+    if not val:
+        _empty(ax, "no validation yet (first epoch not finished, or no val split)")
+    else:
+        xs = [m.get("epoch", i) for i, m in enumerate(val)]  # 0-based, as in metrics.jsonl and the logs
+        ys = [m["val_accuracy"] for m in val]
+        ax.plot(xs, ys, "o-", color="#55A868", markersize=4, label="val_accuracy")
+        best = max(range(len(ys)), key=ys.__getitem__)
+        ax.plot([xs[best]], [ys[best]], "*", color="#C44E52", markersize=12,
+                label=f"best {ys[best]:.4f} (epoch {xs[best]})")
+        ax.legend(loc="best")
+        ax.set_ylim(max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.02) + 0.01)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("validation accuracy")
+        ax.grid(alpha=0.3)
+    ax.set_title(f"Validation accuracy: {title}")
+    _save(fig, path)
+
+
+def plot_throughput(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Training samples per second (all ranks) per logged window, with its median."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    rows = [m for m in metrics if "samples_per_s" in m]
+    if not rows:
+        _empty(ax, "no throughput logged yet")
+    else:
+        _epoch_lines(ax, metrics)
+        ys = [m["samples_per_s"] for m in rows]
+        ax.plot([m["step"] for m in rows], ys, color="#8172B3", linewidth=1.2, label="samples/s (logged window)")
+        median = statistics.median(ys)
+        ax.axhline(median, color="0.3", linestyle="--", linewidth=1, label=f"median {median:,.0f} samples/s")
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter("{x:,.0f}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("samples/s (all ranks)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    ax.set_title(f"Throughput: {title}")
+    _save(fig, path)
+
+
+def plot_timing(ranks: dict[int, list[dict[str, Any]]], path: Path, title: str) -> None:
+    """Per rank: mean compute, communication and data ms per step (stacked bars), and each over the steps."""
+    fig = _figure(10.0, 6.5)
+    if not ranks:
+        _empty(fig.add_subplot(), "no per-rank timing yet (RUN/logs/rank-*.jsonl)")
+        fig.suptitle(f"Time per step by rank: {title}")
+        _save(fig, path)
+        return
+    grid = fig.add_gridspec(2, 3, height_ratios=[1.2, 1])
+    bars = fig.add_subplot(grid[0, :])
+    order = sorted(ranks)
+    means = {r: rank_means(ranks[r]) for r in order}
+    bottom = [0.0] * len(order)
+    labels = {"compute": "compute", "comm": "communication", "data": "data loading"}
+    for part in ("compute", "comm", "data"):
+        heights = [means[r][part] for r in order]
+        bars.bar(order, heights, bottom=bottom, color=_COLORS[part], label=labels[part], width=0.7)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    bars.set_xlabel("rank")
+    bars.set_ylabel("mean ms per step")
+    bars.set_xticks(order if len(order) <= 32 else order[:: max(1, len(order) // 16)])
+    bars.legend(loc="upper right", ncols=3, fontsize=9)
+    bars.grid(axis="y", alpha=0.3)
+    bars.set_ylim(0, max(bottom) * 1.2 or 1.0)
+    few = len(order) <= 8  # a line per rank; more ranks get the median and the min-max band across ranks
+    for col, part in enumerate(("compute", "comm", "data")):
+        ax = fig.add_subplot(grid[1, col])
+        if few:
+            for r in order:
+                ax.plot([x["step"] for x in ranks[r]], [step_parts(x)[part] for x in ranks[r]], linewidth=1,
+                        label=f"rank {r}")
+        else:
+            at: dict[int, list[float]] = {}
+            for r in order:
+                for x in ranks[r]:
+                    at.setdefault(x["step"], []).append(step_parts(x)[part])
+            steps = sorted(at)
+            ax.fill_between(steps, [min(at[t]) for t in steps], [max(at[t]) for t in steps], color=_COLORS[part],
+                            alpha=0.3, linewidth=0, label=f"min-max of {len(order)} ranks")
+            ax.plot(steps, [statistics.median(at[t]) for t in steps], color=_COLORS[part], linewidth=1,
+                    label="median rank")
+        ax.set_title(labels[part], fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if col == 0:
+            ax.set_ylabel("ms per step")
+            ax.legend(fontsize=8)
+    fig.suptitle(f"Time per step by rank: {title}")
+    _save(fig, path)
+
+
+# -- markdown ------------------------------------------------------------------------------------------------
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "yes", False: "**no**", None: "none"}[value]
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4f}"
+    return f"`{value}`"
+
+
+def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
+    """The text of report.md (pure: no I/O); links point at the PNGs beside it in out_dir."""
+    metrics, summary, config = run["metrics"], run["summary"], run["config"]
+    last = metrics[-1]
+    lines = [f"# Run report: `{run['run_dir']}`", ""]
+    if summary is None:
+        val = [m for m in metrics if "val_accuracy" in m]
+        why = ("no summary.json yet" if run.get("stale_summary") is None else
+               f"summary.json is from an earlier run in this directory: {run['stale_summary']} steps")
+        lines += [f"**Status: in progress** ({why}). Last logged: step {last['step']}, epoch "
+                  f"{last.get('epoch', '?')}, loss {_fmt(last.get('loss'))}"
+                  + (f", val_accuracy {val[-1]['val_accuracy']:.4f} after epoch {val[-1].get('epoch', '?')}"
+                     if val else ", val_accuracy not measured yet (no epoch finished)") + ".", ""]
+        speeds = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
+        if speeds:
+            lines += [f"Throughput so far: median {statistics.median(speeds):,.0f} samples/s over "
+                      f"{len(speeds)} logged window{'s' if len(speeds) != 1 else ''}.", ""]
+    else:
+        keys = ["world_size", "epochs", "steps", "global_batch_size", "train_loss", "val_loss", "val_accuracy",
+                "samples_per_s", "train_time_s", "ranks_in_sync", "resumed_from", "model", "data"]
+        lines += ["**Status: finished** (summary.json).", "", "| | |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(summary[k])} |" for k in keys if k in summary]
+        lines.append("")
+    if config:
+        picked = ["model", "optimizer", "lr", "batch_size", "schedule", "epochs", "compress"]
+        shown = ", ".join(f"{k} {config[k]}" for k in picked if k in config)
+        if shown:
+            link = Path(os.path.relpath(run["run_dir"] / "config.toml", out_dir)).as_posix()
+            lines += [f"Config: {shown} ([config.toml]({link})).", ""]
+
+    ends = epochs(metrics)
+    if ends:
+        lines += ["## Epochs", ""]
+        if len(ends) > _TABLE_ROWS:
+            lines += [f"The last {_TABLE_ROWS} of {len(ends)} epochs:", ""]
+        lines += ["| epoch | step | train loss | val_loss | val_accuracy |", "|---:|---:|---:|---:|---:|"]
+        for m in ends[-_TABLE_ROWS:]:
+            cells = [m.get("epoch"), m["step"], m.get("epoch_train_loss"), m.get("val_loss"), m.get("val_accuracy")]
+            lines.append("| " + " | ".join("" if c is None else (f"{c:.4f}" if isinstance(c, float) else str(c))
+                                           for c in cells) + " |")
+        lines.append("")
+
+    ranks = run["ranks"]
+    if ranks:
+        means = {r: rank_means(recs) for r, recs in ranks.items()}
+        order = sorted(ranks)
+        lines += ["## Time per step by rank", ""]
+        if len(order) > _TABLE_ROWS:
+            order = sorted(order, key=lambda r: -sum(means[r].values()))[:_TABLE_ROWS]
+            lines += [f"The {_TABLE_ROWS} slowest of {len(ranks)} ranks (mean ms per step):", ""]
+        lines += ["| rank | compute ms | comm ms | data ms | comm share |", "|---:|---:|---:|---:|---:|"]
+        for r in order:
+            m = means[r]
+            total = sum(m.values()) or 1.0
+            lines.append(f"| {r} | {m['compute']:.3f} | {m['comm']:.3f} | {m['data']:.3f} | "
+                         f"{100 * m['comm'] / total:.0f}% |")
+        lines.append("")
+
+    lines += ["## Plots", ""]
+    captions = {"loss": "Training and validation loss", "accuracy": "Validation accuracy per epoch",
+                "throughput": "Throughput (samples/s)", "timing": "Compute, communication and data time per rank"}
+    for key, name in PLOTS.items():
+        lines += [f"### {captions[key]}", "", f"![{captions[key]}]({name})", ""]
+    return "\n".join(lines)
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+def report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
+    """Write the PNG plots and report.md of RUN into out_dir (default RUN/report); return the written paths.
+
+    Works on a finished run and on one still in progress. Bad input (no RUN, no metrics yet, an out_dir
+    that is a file) raises before anything is written.
+    """
+    run_dir = Path(run_dir)
+    run = load_run(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"-o {str(out_dir)!r} is a file: pass a directory for the report")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    title = run_dir.resolve().name or str(run_dir)
+    if run["summary"] is None:
+        title += " (in progress)"
+    written = {key: out_dir / name for key, name in PLOTS.items()}
+    plot_loss(run["metrics"], written["loss"], title)
+    plot_accuracy(run["metrics"], written["accuracy"], title)
+    plot_throughput(run["metrics"], written["throughput"], title)
+    plot_timing(run["ranks"], written["timing"], title)
+    written["report"] = out_dir / "report.md"
+    tmp = written["report"].with_name(".report.md.tmp")
+    tmp.write_text(render_markdown(run, out_dir))
+    os.replace(tmp, written["report"])
+    return written
