@@ -140,6 +140,9 @@ class TrainConfig:
     """Sum gradients in rank order, the same bits in every run whatever MPI's algorithm (costs bandwidth)."""
     audit_samples: bool = False
     """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
+    collective_timeout: float = 300.0
+    """Abort the job when a collective waits longer than this many seconds (0: never), saying which ranks
+    it waits for."""
     log_every: int = 10
     """Log metrics every this many steps (and at the end of every epoch)."""
     json: bool = False
@@ -164,6 +167,7 @@ class TrainConfig:
             except ValueError:
                 raise ConfigError(f"--checkpoint-every {self.checkpoint_every!r} must be auto or a whole number of steps (0: none)") from None
         _positive("--mtbf-hours", self.mtbf_hours, "24")
+        _non_negative("--collective-timeout", self.collective_timeout, "300")
         checked = [("--max-steps", self.max_steps)]
         if self.checkpoint_every != "auto":
             checked.append(("--checkpoint-every", self.checkpoint_every))

@@ -32,6 +32,7 @@ from .env import RankEnv, read_env, select_device
 from .errors import CheckpointError, ConfigError, HpctrainError
 from .models import build_model
 from .progress import Progress
+from .watchdog import make as make_watchdog
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
@@ -373,6 +374,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
 
     stop = _StopFlag()
     stop.install()
+    watchdog = make_watchdog(cfg.run_dir, comm, cfg.collective_timeout, log.error)
     metrics = open(metrics_path, "a") if comm.rank == 0 else None
     timing = open(timing_path, "a")  # this rank's own step timing: RUN/logs/rank-NNNN.jsonl
     audit = open(audit_path, "a") if cfg.audit_samples else None
@@ -414,6 +416,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                 sizes = r.step_sizes(in_epoch)
                 global_n = int(sizes.sum())
                 n_local = len(batch.y)
+                watchdog.phase("gradient allreduce", step + 1)
                 loss_value = train_step(model, sync, optimizer, loss_fn, batch.x, batch.y, global_n,
                                         clip_grad=cfg.clip_grad, device=device, accumulate=cfg.accumulate)
                 scheduler.step()
@@ -435,6 +438,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                 end_of_epoch = in_epoch == r.steps_per_epoch
                 last = step >= total_steps
                 if step % cfg.log_every == 0 or end_of_epoch or last:
+                    watchdog.phase("metrics reduction", step)
                     loss_tot, n_tot = comm.allreduce_array([window["loss"], window["n"]])
                     elapsed = time.perf_counter() - window["t"]
                     record = {
@@ -451,6 +455,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                         "data_ms": record["data_ms"], "samples": int(window["n"])}) + "\n")
                     timing.flush()
                     if end_of_epoch and val_reader is not None:
+                        watchdog.phase("validation", step)
                         last_val = evaluate(model, val_reader, comm)
                         record.update(last_val)
                     if end_of_epoch:
@@ -470,10 +475,12 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                               "data_s": 0.0, "steps": 0}
                 bar.update(1, loss=f"{loss_value / max(1, n_local):.4f}", epoch=epoch)
                 position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (comm.size, in_epoch)])
+                watchdog.phase("stop/checkpoint agreement", step)
                 if manager.save(step, lambda: state_for(*position), stop_requested=stop.signum is not None,
                                 final=last):
                     stop_signal = stop.signum or signal.SIGTERM
                     break
+                watchdog.idle()
                 t_data = time.perf_counter()
                 if last:
                     break
@@ -483,6 +490,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
             epoch += 1
         manager.wait()
     finally:
+        watchdog.close()
         bar.close()
         stop.restore()
         sync.close()

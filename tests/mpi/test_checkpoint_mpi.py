@@ -175,3 +175,24 @@ def test_resume_against_another_dataset_is_refused(tmp_path: Path, digits2: Path
     assert proc.returncode == 2 and "another dataset" in proc.stderr
     proc = hpctrain(["train", "--data", str(digits2), "--run-dir", str(run), "--max-steps", "10", "--lr", "0.01"])
     assert "lr: 0.05 -> 0.01" in proc.stderr
+
+
+def test_watchdog_aborts_a_hung_collective_and_names_the_rank(digits2: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = launch(digits2, run, "--collective-timeout", "4", "--epochs", "40")
+    wait_for_step(run, 20, proc)
+    stuck = rank_pid(run, 1)
+    time.sleep(1.5)  # let it beat once
+    os.kill(stuck, signal.SIGSTOP)  # alive but never arriving: the hang a dead NIC or a deadlock gives
+    started = time.time()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        try:
+            os.kill(stuck, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    assert time.time() - started < 30
+    assert re.search(r"rank 0: .* has waited \d+ s .*rank 1 \(silent", err), err[-2000:]
+    assert "rank 0" in (run / "logs" / "rank-0000.log").read_text().split("aborting")[0]

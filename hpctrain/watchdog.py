@@ -1,0 +1,109 @@
+"""A hang watchdog: no job waits forever in a collective.
+
+The trainer names each collective it enters (`watchdog.phase("gradient allreduce", step)`) and leaves
+(`watchdog.idle()`). A thread on every rank writes a heartbeat file once a second
+(`RUN/logs/rank-NNNN.heartbeat`: step, phase, time) and, when the current collective has waited longer than
+the timeout, reads the other ranks' heartbeats to say which ranks it is waiting for (behind, or silent: dead
+or stuck), logs that on stderr and in the rank's log, and aborts the whole job through MPI. The run
+directory is on a filesystem every rank sees, as on any cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+class Watchdog:
+    """Per-rank collective timeout; `abort` ends the job (MPI_Abort) when a collective waits too long."""
+
+    def __init__(self, run_dir: Path, rank: int, world: int, *, timeout: float, abort: Callable[[int], None],
+                 log: Callable[[str], None] | None = None, interval: float = 1.0):
+        self.dir = Path(run_dir) / "logs"
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.abort, self.log, self.interval = abort, log, interval
+        self._phase: str | None = None
+        self._step = 0
+        self._since = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired: str | None = None
+
+    def start(self) -> "Watchdog":
+        if self.timeout > 0 and self.world > 1:
+            try:
+                self._beat()
+            except OSError:
+                pass
+            self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def phase(self, name: str, step: int) -> None:
+        """Entering collective `name` at `step`."""
+        self._step, self._since, self._phase = step, time.time(), name
+
+    def idle(self) -> None:
+        self._phase = None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            (self.dir / f"rank-{self.rank:04d}.heartbeat").unlink()
+        except FileNotFoundError:
+            pass
+
+    def _beat(self) -> None:
+        path = self.dir / f"rank-{self.rank:04d}.heartbeat"
+        tmp = path.with_suffix(".heartbeat.tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "step": self._step, "phase": self._phase,
+                                   "since": self._since, "time": time.time(), "pid": os.getpid()}))
+        tmp.replace(path)
+
+    def _others(self, now: float) -> list[str]:
+        """Who this rank is waiting for: ranks behind it, or silent for longer than a few beats."""
+        waiting = []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            try:
+                beat = json.loads((self.dir / f"rank-{r:04d}.heartbeat").read_text())
+            except (OSError, ValueError):
+                waiting.append(f"rank {r} (no heartbeat)")
+                continue
+            silent = now - beat["time"]
+            if silent > 5 * self.interval + 2:
+                waiting.append(f"rank {r} (silent for {silent:.0f} s: dead or stuck, last at step {beat['step']})")
+            elif beat["step"] < self._step or beat["phase"] != self._phase:
+                waiting.append(f"rank {r} (at step {beat['step']}, {beat['phase'] or 'computing'})")
+        return waiting
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except OSError:
+                pass
+            phase = self._phase
+            waited = time.time() - self._since
+            if phase is None or waited <= self.timeout:
+                continue
+            others = self._others(time.time()) or ["no rank found behind: a network or MPI problem"]
+            self.fired = (f"rank {self.rank}: {phase} at step {self._step} has waited {waited:.0f} s (over "
+                          f"--collective-timeout {self.timeout:g} s) for {', '.join(others)}; aborting the job")
+            print(f"error: {self.fired}", file=sys.stderr, flush=True)
+            if self.log is not None:
+                self.log(self.fired)
+            self.abort(1)
+            return
+
+
+def make(run_dir: Path, comm: Any, timeout: float, log: Callable[[str], None]) -> Watchdog:
+    return Watchdog(run_dir, comm.rank, comm.size, timeout=timeout, abort=comm.abort, log=log).start()
