@@ -79,7 +79,7 @@ class Watchdog:
                 waiting.append(f"rank {r} (no heartbeat)")
                 continue
             silent = now - beat["time"]
-            if silent > 5 * self.interval + 2:
+            if silent > 3 * self.interval:
                 waiting.append(f"rank {r} (silent for {silent:.0f} s: dead or stuck, last at step {beat['step']})")
             elif beat["step"] < self._step or beat["phase"] != self._phase:
                 waiting.append(f"rank {r} (at step {beat['step']}, {beat['phase'] or 'computing'})")
