@@ -143,6 +143,8 @@ class TrainConfig:
     collective_timeout: float = 300.0
     """Abort the job when a collective waits longer than this many seconds (0: never), saying which ranks
     it waits for."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN/tensorboard (needs the tensorboard package)."""
     log_every: int = 10
     """Log metrics every this many steps (and at the end of every epoch)."""
     json: bool = False

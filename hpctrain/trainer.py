@@ -224,11 +224,29 @@ def _keep_metrics(path: Path, last_step: int) -> None:
 
 
 def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = None) -> dict[str, Any]:
-    """Run one training job on every rank of `comm` (COMM_WORLD by default); return the summary."""
+    """Run one training job on every rank of `comm` (COMM_WORLD by default); return the summary.
+
+    An unexpected failure is logged with its traceback in the rank's log (RUN/logs/rank-NNNN.log) and
+    re-raised as one line that names that log.
+    """
+    comm = comm or world()
+    try:
+        return _train(cfg, comm, env or read_env())
+    except HpctrainError:
+        raise
+    except Exception as exc:
+        log_path = cfg.run_dir / "logs" / f"rank-{comm.rank:04d}.log"
+        if log_path.parent.is_dir():
+            logging.getLogger(f"hpctrain.rank{comm.rank}").exception("training failed")
+            where = f"traceback in {log_path}"
+        else:
+            where = "before the run directory was created"
+        raise HpctrainError(f"rank {comm.rank}: {type(exc).__name__}: {exc} ({where})") from exc
+
+
+def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
     import torch
 
-    env = env or read_env()
-    comm = comm or world()
     torch.set_num_threads(env.torch_threads())
 
     # -- check everything before anything is written --------------------------------------------------
@@ -242,6 +260,11 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         device = torch.device(select_device(env, torch.cuda.device_count() if torch.cuda.is_available() else 0))
         shards = load_manifest(cfg.data)
         shards.check_world(comm.size)
+        if cfg.tensorboard and comm.rank == 0:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
         if cfg.init_weights is not None and not cfg.init_weights.is_file():
             raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
         torch.manual_seed(cfg.seed)
@@ -376,6 +399,11 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     stop.install()
     watchdog = make_watchdog(cfg.run_dir, comm, cfg.collective_timeout, log.error)
     metrics = open(metrics_path, "a") if comm.rank == 0 else None
+    tb = None
+    if cfg.tensorboard and comm.rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(cfg.run_dir / "tensorboard"), purge_step=step or None)
     timing = open(timing_path, "a")  # this rank's own step timing: RUN/logs/rank-NNNN.jsonl
     audit = open(audit_path, "a") if cfg.audit_samples else None
     audit_lines = sum(1 for _ in open(audit_path)) if audit is not None and audit_path.exists() else 0
@@ -467,7 +495,11 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
                         metrics.flush()
                     log.info("step %d epoch %d loss %.4f %s", step, epoch, record["loss"],
                              " ".join(f"{k} {v:.4f}" for k, v in last_val.items()) if end_of_epoch else "")
-                    if comm.rank == 0 and not interactive and not cfg.json and (end_of_epoch or last):
+                    if tb is not None:
+                        for key, value in record.items():
+                            if key not in ("step", "epoch"):
+                                tb.add_scalar(key, value, step)
+                    if comm.rank == 0 and not interactive and not cfg.json:  # Slurm logs: a plain line per --log-every
                         val = f"  val_loss {last_val['val_loss']:.4f}  val_accuracy {last_val['val_accuracy']:.4f}" if end_of_epoch and last_val else ""
                         print(f"epoch {epoch} step {step}/{total_steps}  loss {record['loss']:.4f}{val}  "
                               f"{record['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
@@ -500,6 +532,8 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
             val_reader.close()
         if metrics is not None:
             metrics.close()
+        if tb is not None:
+            tb.close()
         timing.close()
         if audit is not None:
             audit.close()

@@ -80,6 +80,7 @@ def train(
     deterministic: Annotated[bool, typer.Option("--deterministic", help="Sum gradients in rank order: same bits every run.")] = False,
     audit_samples: Annotated[bool, typer.Option("--audit-samples", help="Write RUN/samples/rank-N.txt.")] = False,
     log_every: Annotated[int, typer.Option(help="Log metrics every N steps.")] = 10,
+    tensorboard: Annotated[bool, typer.Option("--tensorboard", help="Also write TensorBoard events to RUN/tensorboard.")] = False,
     collective_timeout: Annotated[float, typer.Option(help="Abort when a collective waits longer than this (s; 0: never).")] = 300.0,
     config: Annotated[Optional[Path], typer.Option(help="TOML file with the same keys as these flags (flags win).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,

@@ -58,6 +58,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--data", "{data}", "--run-dir", "{run}", "--resume", "{tmp}/ckpt"], "--resume"),
         (["--data", "{data}", "--run-dir", "{run}", "--config", "{tmp}/none.toml"], "--config"),
         (["--data", "{data}", "--run-dir", "{run}", "--config", "{bad_toml}"], "unknown key"),
+        (["--data", "{data}", "--run-dir", "{run}", "--checkpoint-every", "often"], "--checkpoint-every"),
+        (["--data", "{data}", "--run-dir", "{run}", "--accumulate", "0"], "--accumulate"),
+        (["--data", "{data}", "--run-dir", "{run}", "--collective-timeout", "-5"], "--collective-timeout"),
+        (["--data", "{data}", "--run-dir", "{run}", "--bucket-mb", "0"], "--bucket-mb"),
+        (["--data", "{data}", "--run-dir", "{run}", "--tensorboard"], "tensorboard"),
     ],
 )
 def test_train_bad_input(data: Path, tmp_path: Path, args: list[str], needle: str) -> None:
@@ -84,6 +89,11 @@ def test_config_file_values_and_flags_win(data: Path, tmp_path: Path) -> None:
 def test_launch_needs_a_command() -> None:
     result = runner.invoke(app, ["launch", "-n", "2"])
     assert result.exit_code == 2
+
+
+def test_launch_rejects_zero_ranks() -> None:
+    result = runner.invoke(app, ["launch", "-n", "0", "--", "hostname"])
+    assert result.exit_code == 2 and "-n 0" in result.output
 
 
 def test_launch_builds_the_mpirun_command() -> None:
