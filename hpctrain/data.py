@@ -152,14 +152,18 @@ def load_manifest(root: Path | str) -> ShardSet:
     return ShardSet(root, manifest, num_shards, num_classes, x_shape, x_dtype, splits)
 
 
-def verify(root: Path | str, *, quick: bool = False) -> list[str]:
+def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False) -> list[str]:
     """Re-hash every shard (or, with `quick`, check sizes and datasets only); return the problems found."""
     import h5py
 
+    from .progress import Progress
+
     shards = load_manifest(root)
     problems: list[str] = []
-    for split, files in shards.splits.items():
-        for f in files:
+    everything = [f for files in shards.splits.values() for f in files]
+    with Progress(len(everything), "verify", enabled=show_progress, unit="files") as bar:
+        for f in everything:
+            bar.update(1)
             try:
                 with h5py.File(f.path, "r", locking=False) as h5:
                     n = {name: h5[name].shape[0] for name in ("x", "y", "index")}

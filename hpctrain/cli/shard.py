@@ -61,7 +61,7 @@ def verify(
     """
     from ..data import load_manifest, verify as check
 
-    problems = check(out, quick=quick)
+    problems = check(out, quick=quick, show_progress=True)
     if problems:
         for p in problems:
             print(p)
