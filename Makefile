@@ -10,7 +10,7 @@ APT_PACKAGES := openmpi-bin libopenmpi-dev shellcheck
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 
-.PHONY: demo test deps venv clean
+.PHONY: demo test deps venv clean slurm-up slurm-down slurm-status bench-slurm
 
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -36,6 +36,13 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q -ra tests
+
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# the local two-node Slurm cluster (munge, slurmctld, two slurmd on localhost) the tests use; try submit on it
+slurm-up: ; $(SUDO) bash slurm/cluster.sh up
+slurm-down: ; $(SUDO) bash slurm/cluster.sh down
+slurm-status: ; bash slurm/cluster.sh status
+bench-slurm: venv ; $(PY) benchmarks/slurm_latency.py --repeats 5
 
 clean:
 	rm -rf demo $(VENV)

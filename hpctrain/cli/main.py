@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import bench, container, doctor, launch, report, shard, train
+from . import bench, container, doctor, launch, report, shard, submit, train
 
 app = typer.Typer(
     name="hpctrain",
@@ -20,6 +20,7 @@ app.command()(train.train)
 app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(launch.launch)
 app.command()(doctor.doctor)
 app.command()(report.report)
+submit.register(app)
 app.add_typer(container.app, name="container")
 app.add_typer(bench.app, name="bench")
 

@@ -13,7 +13,8 @@ from hpctrain.cli.main import app
 
 runner = CliRunner()
 COMMANDS = [["shard"], ["verify"], ["train"], ["launch"], ["doctor"], ["report"], ["container", "recipe"],
-            ["container", "build"], ["bench", "allreduce"], ["bench", "train"], ["bench", "data"]]
+            ["container", "build"], ["bench", "allreduce"], ["bench", "train"], ["bench", "data"], ["submit"],
+            ["jobs"], ["status"], ["logs"], ["cancel"]]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)

@@ -1,0 +1,176 @@
+"""`hpctrain submit`, `jobs`, `status`, `logs`, `cancel`: training jobs on Slurm."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .common import fail, handle_errors
+
+FOLDER_HELP = "Job folder: batch scripts, logs (JOBID_RANK_log.out/.err) and job records."
+Folder = Annotated[Path, typer.Option("--folder", help=FOLDER_HELP)]
+DEFAULT_FOLDER = Path("hpctrain-jobs")
+
+
+@handle_errors
+def submit(
+    command: Annotated[list[str], typer.Argument(help="An hpctrain subcommand (train ...) or any program.")],
+    nodes: Annotated[int, typer.Option(help="Nodes to allocate.")] = 1,
+    gpus: Annotated[int, typer.Option(help="GPUs per node; one rank per GPU.")] = 0,
+    tasks_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (default: --gpus, or 1).")] = None,
+    cpus_per_task: Annotated[int, typer.Option(help="CPUs per rank (also OMP_NUM_THREADS and torch threads).")] = 1,
+    partition: Annotated[Optional[str], typer.Option(help="Slurm partition (default: the cluster's).")] = None,
+    time_min: Annotated[int, typer.Option("--time", help="Time limit in minutes (checkpoint + requeue before it).")] = 60,
+    account: Annotated[Optional[str], typer.Option(help="Slurm account to charge.")] = None,
+    container: Annotated[Optional[Path], typer.Option(help="Run every rank in `apptainer exec --nv IMAGE.sif`.")] = None,
+    folder: Folder = DEFAULT_FOLDER,
+    env: Annotated[Optional[list[str]], typer.Option("--env", help="K=V for every rank (repeatable).")] = None,
+    mpi: Annotated[str, typer.Option(help="How ranks start: pmix, pmi2 (srun --mpi=...) or mpirun.")] = "pmix",
+    max_requeues: Annotated[int, typer.Option(help="Times the job may requeue itself after a checkpoint.")] = 10,
+    python: Annotated[Optional[str], typer.Option(help="Python on the compute nodes (default: this one).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the batch script; submit nothing.")] = False,
+    wait_: Annotated[bool, typer.Option("--wait", help="Follow rank 0 until the job ends; exit with its code.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help='Print one JSON object {"job_id": ...}.')] = False,
+) -> None:
+    """Submit COMMAND as an MPI job on Slurm: one rank per GPU, requeued after preemption or timeout.
+
+    Example: hpctrain submit --nodes 2 --gpus 4 --time 120 -- train --data data/ --run-dir runs/a
+    """
+    from ..slurm import SubmitConfig, render_sbatch, submit as run_submit, wait as run_wait, exit_code
+
+    cfg = SubmitConfig(nodes=nodes, gpus=gpus, tasks_per_node=tasks_per_node, cpus_per_task=cpus_per_task,
+                       partition=partition, time=time_min, account=account, container=container,
+                       folder=folder.resolve(), env=tuple(env or ()), mpi=mpi, max_requeues=max_requeues,
+                       **({"python": python} if python else {}))
+    if dry_run:
+        script = render_sbatch(cfg, command)
+        print(json.dumps({"job_id": None, "script": script}) if json_out else script, end="" if not json_out else "\n")
+        return
+    info = run_submit(cfg, command)
+    if not wait_:
+        print(json.dumps(info) if json_out else info["job_id"])
+        return
+    if not json_out:
+        print(info["job_id"], flush=True)
+    status = run_wait(cfg.folder, info["job_id"], stream=sys.stderr)
+    code = exit_code(status)
+    if json_out:
+        print(json.dumps({**info, "state": status["state"], "reason": status["reason"],
+                          "restarts": status["restarts"], "exit_code": code}))
+    else:
+        print(f"job {info['job_id']}: {_describe(status)}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def _describe(status: dict[str, Any]) -> str:
+    text = status["state"]
+    if status["state"] == "requeued":
+        text += f" after {'the time limit' if status['reason'] == 'timeout' else 'preemption'}"
+    if status.get("restarts"):
+        text += f" (restarts: {status['restarts']})"
+    if status["state"] in ("failed",) and status.get("exit_code") is not None:
+        text += f", exit code {status['exit_code']}"
+    return text
+
+
+@handle_errors
+def jobs(
+    folder: Folder = DEFAULT_FOLDER,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
+) -> None:
+    """List the hpctrain jobs submitted into --folder, with their states.
+
+    Example: hpctrain jobs --folder hpctrain-jobs
+    """
+    from ..slurm import list_jobs
+
+    listed = list_jobs(folder)
+    if json_out:
+        print(json.dumps(listed))
+        return
+    if not listed:
+        print(f"no hpctrain jobs in {folder}")
+        return
+    for job in listed:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(job["submitted_at"])) if job.get("submitted_at") else "?"
+        print(f"{job['job_id']:>8}  {_describe(job):<28}  {when}  {' '.join(job.get('command') or [])}")
+
+
+@handle_errors
+def status(
+    job_id: Annotated[str, typer.Argument(help="The job id `hpctrain submit` printed.")],
+    folder: Folder = DEFAULT_FOLDER,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the status and the job's record as JSON.")] = False,
+) -> None:
+    """Say whether a job is pending, running, requeued (preempted or timed out), completed, failed or cancelled.
+
+    Example: hpctrain status 1234
+    """
+    from ..slurm import job_status
+
+    info = job_status(folder, job_id)
+    if info["state"] == "unknown" and not info["events"] and info["slurm_state"] is None:
+        raise fail(f"no job {job_id} in {folder} and Slurm does not know it: check the job id (`hpctrain jobs`) "
+                   "and --folder")
+    if json_out:
+        print(json.dumps(info))
+        return
+    print(f"job {job_id}: {_describe(info)}")
+    for event in info["events"]:
+        when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+        extra = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("time", "event", "pid"))
+        print(f"  {when}  {event['event']:<10} {extra}")
+
+
+@handle_errors
+def logs(
+    job_id: Annotated[str, typer.Argument(help="The job id `hpctrain submit` printed.")],
+    rank: Annotated[int, typer.Option(help="Whose log: the global rank.")] = 0,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+    folder: Folder = DEFAULT_FOLDER,
+) -> None:
+    """Print a rank's log (stdout, then stderr) of a job; rank 0's also holds the job's own messages.
+
+    Example: hpctrain logs 1234 --rank 1 --follow
+    """
+    from ..slurm import FINAL_STATES, follow as follow_files, job_status, log_path
+
+    out, err = log_path(folder, job_id, rank, "out"), log_path(folder, job_id, rank, "err")
+    if not follow and not out.exists() and not err.exists():
+        raise fail(f"no log of rank {rank} of job {job_id} in {folder} (yet): check the job id, --folder and --rank")
+    positions: dict[Path, int] = {}
+    follow_files([out], positions, sys.stdout)
+    follow_files([err], positions, sys.stderr)
+    while follow and job_status(folder, job_id)["state"] not in FINAL_STATES:
+        time.sleep(1)
+        follow_files([out], positions, sys.stdout)
+        follow_files([err], positions, sys.stderr)
+    follow_files([out], positions, sys.stdout)
+    follow_files([err], positions, sys.stderr)
+
+
+@handle_errors
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="The job id `hpctrain submit` printed.")],
+    folder: Folder = DEFAULT_FOLDER,
+) -> None:
+    """Cancel a job: its ranks checkpoint at the next step boundary and it ends without requeueing.
+
+    Example: hpctrain cancel 1234
+    """
+    from ..slurm import cancel as run_cancel
+
+    run_cancel(folder, job_id)
+    print(f"cancelled {job_id}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add submit, jobs, status, logs and cancel to the hpctrain application."""
+    app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(submit)
+    for command in (jobs, status, logs, cancel):
+        app.command()(command)

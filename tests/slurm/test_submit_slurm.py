@@ -1,0 +1,171 @@
+"""`hpctrain submit` on a real Slurm (slurmctld + two slurmd + munge on localhost, see slurm/cluster.sh).
+
+Pins the issue's numbers: a 2-node job ends with the same param_sha256 as `hpctrain launch -n 2`; after
+`scancel --signal=USR2` mid-run the job requeues, resumes from its checkpoint and still ends bit-identical;
+a failing job never requeues; each rank picks its own (emulated, GRES-allocated) GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import hpctrain, mpi_env, summary
+from hpctrain.slurm import SubmitConfig, job_status, render_sbatch
+
+from slurm_util import cli, cluster_session, submit_json, wait_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+PROBE = Path(__file__).parent / "scripts" / "gpu_probe.py"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The local cluster, up for the whole session (started and stopped here unless it already ran)."""
+    yield from cluster_session()
+
+
+_REFERENCE: dict[tuple[str, ...], dict] = {}
+
+
+def launch_reference(data: Path, run: Path, args: list[str]) -> dict:
+    """The summary of `hpctrain launch -n 2 -- train ARGS` (run once per ARGS in a session)."""
+    key = (str(data), *args)
+    if key not in _REFERENCE:
+        hpctrain(["launch", "-n", "2", "--", "train", "--data", str(data), "--run-dir", str(run), *args],
+                 env=mpi_env(), timeout=300)
+        _REFERENCE[key] = summary(run)
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("mpi", ["pmix", "mpirun"])
+def test_two_node_job_equals_launch_and_runs_the_dry_run_script(slurm_cluster, digits2: Path, tmp_path: Path,
+                                                                 mpi: str) -> None:
+    args = ["--epochs", "3", "--log-every", "5"]
+    command = ["train", "--data", str(digits2), "--run-dir", str(tmp_path / "job"), *args]
+    flags = ["--nodes", "2", "--time", "5", "--folder", str(tmp_path / "jobs"), "--mpi", mpi]
+    info = submit_json([*flags, "--wait", "--", *command], cwd=tmp_path)
+    assert info["state"] == "completed" and info["exit_code"] == 0, info
+    got = summary(tmp_path / "job")
+    want = launch_reference(digits2, tmp_path / "ref", args)
+    assert got["world_size"] == 2 and got["ranks_in_sync"]
+    assert got["param_sha256"] == want["param_sha256"]
+    # What --dry-run prints is the file that was submitted.
+    dry = cli(["submit", "--dry-run", *flags, "--", *command], cwd=tmp_path).stdout
+    assert dry == Path(info["script"]).read_text()
+    assert "on n1" in (tmp_path / "jobs" / f"{info['job_id']}_0_log.err").read_text()  # the supervisor's line
+    listed = json.loads(cli(["jobs", "--folder", str(tmp_path / "jobs"), "--json"], cwd=tmp_path).stdout)
+    assert [j["job_id"] for j in listed] == [info["job_id"]] and listed[0]["state"] == "completed"
+
+
+def test_container_ranks_run_in_apptainer_with_binds(slurm_cluster, digits2: Path, tmp_path: Path) -> None:
+    """Through a FAKE apptainer (the real one cannot be installed here): the arguments each rank passes."""
+    fake = Path(__file__).parent / "scripts" / "fake-apptainer"
+    image = tmp_path / "hpctrain.sif"
+    image.write_bytes(b"not really an image")
+    log = tmp_path / "apptainer.log"
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "FAKE_APPTAINER_LOG": str(log), "FAKE_APPTAINER_PYTHON": sys.executable}
+    args = ["--epochs", "3", "--log-every", "5"]
+    run = tmp_path / "job"
+    info = submit_json(["--nodes", "2", "--time", "5", "--folder", str(tmp_path / "jobs"), "--container", str(image),
+                        "--wait", "--", "train", "--data", str(digits2), "--run-dir", str(run), *args],
+                       cwd=tmp_path, env=env)
+    assert info["state"] == "completed", info
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2
+    for call in calls:
+        assert call.startswith("exec --nv --bind ") and "/pmix." in call  # the step's PMIx server directory
+        assert f"--bind {tmp_path / 'jobs'},{digits2},{run} {image} python3 -u -m hpctrain train" in call
+    assert summary(run)["param_sha256"] == launch_reference(digits2, tmp_path / "ref", args)["param_sha256"]
+
+
+def test_usr2_requeues_and_resumes_bit_identical(slurm_cluster, digits2: Path, tmp_path: Path) -> None:
+    args = ["--epochs", "4", "--batch-size", "8", "--log-every", "1"]
+    run, folder = tmp_path / "job", tmp_path / "jobs"
+    info = submit_json(["--nodes", "2", "--time", "5", "--folder", str(folder), "--", "train", "--data",
+                        str(digits2), "--run-dir", str(run), *args], cwd=tmp_path)
+    job = info["job_id"]
+    metrics = run / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 60, 90, "60 logged steps")
+    assert not (run / "summary.json").exists(), "the run ended before the signal: make it longer"
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    status = wait_for(lambda: (s := job_status(folder, job))["state"] == "requeued" and s, 60, "the requeue")
+    assert status["reason"] == "preempted"
+    # Slurm holds a requeued job for cred_expire + 1 s (the local cluster sets 10 s; Slurm's default is 120 s).
+    final = wait_for(lambda: (s := job_status(folder, job))["state"] in ("completed", "failed") and s, 120,
+                     "the resumed job to finish")
+    assert final["state"] == "completed" and final["restarts"] == 1, final
+    events = [e["event"] for e in final["events"]]
+    assert events == ["start", "ranks_stopped", "requeued", "start", "completed"], events
+    got = summary(run)
+    assert got["resumed_from"] is not None and 0 < got["resumed_from"] < got["steps"]
+    want = launch_reference(digits2, tmp_path / "ref", args)
+    assert got["param_sha256"] == want["param_sha256"]
+    text = cli(["status", job, "--folder", str(folder)], cwd=tmp_path).stdout
+    assert "completed (restarts: 1)" in text and "requeued" in text and "reason=preempted" in text
+
+
+def test_failing_job_fails_once_and_says_why(slurm_cluster, tmp_path: Path) -> None:
+    folder = tmp_path / "jobs"
+    proc = cli(["submit", "--nodes", "2", "--time", "5", "--folder", str(folder), "--wait", "--json", "--",
+                "train", "--data", str(tmp_path / "missing"), "--run-dir", str(tmp_path / "r")], cwd=tmp_path,
+               check=False)
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 2 and info["state"] == "failed" and info["exit_code"] == 2, proc.stdout + proc.stderr
+    status = job_status(folder, info["job_id"])
+    assert [e["event"] for e in status["events"] if e["event"] in ("start", "failed", "requeued")] == ["start", "failed"]
+    logs = cli(["logs", info["job_id"], "--folder", str(folder)], cwd=tmp_path)
+    assert "does not exist" in logs.stderr
+
+
+def _probe_lines(folder: Path, job: str, ranks: int) -> list[dict]:
+    rows = []
+    for r in range(ranks):
+        text = (folder / f"{job}_{r}_log.out").read_text()
+        rows += [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    return sorted(rows, key=lambda row: row["rank"])
+
+
+def test_each_rank_uses_its_own_gres_gpu(slurm_cluster, tmp_path: Path) -> None:
+    folder = tmp_path / "jobs"
+    info = submit_json(["--nodes", "2", "--gpus", "2", "--cpus-per-task", "2", "--time", "5", "--folder", str(folder), "--env",
+                        "HPCTRAIN_PROBE=it works", "--wait", "--", sys.executable, str(PROBE)], cwd=tmp_path)
+    assert info["state"] == "completed", info
+    rows = _probe_lines(folder, info["job_id"], 4)
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    for node in ("n1", "n2"):
+        mine = [r for r in rows if r["node"] == node]
+        # Slurm gives every task of the node both GPUs; the local rank picks one, never the same twice.
+        assert sorted(r["device"] for r in mine) == ["cuda:0", "cuda:1"], rows
+        assert all(r["cuda_visible_devices"] == "0,1" for r in mine), rows
+    assert all(r["cuda_device_order"] == "PCI_BUS_ID" and r["omp_num_threads"] == "2" and r["threads"] == 2
+               for r in rows)
+    assert all(r["probe_env"] == "it works" for r in rows)
+
+
+def test_binding_when_slurm_gives_each_task_one_gpu(slurm_cluster) -> None:
+    proc = subprocess.run(["srun", "-N", "1", "--ntasks-per-node=2", "--gpus-per-task=1", sys.executable, str(PROBE)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                  key=lambda r: r["rank"])
+    assert [r["cuda_visible_devices"] for r in rows] == ["0", "1"]
+    assert [r["device"] for r in rows] == ["cuda:0", "cuda:0"]  # each sees one GPU: its own, as device 0
+
+
+def test_more_ranks_than_gpus_is_refused_before_submitting(slurm_cluster, tmp_path: Path) -> None:
+    proc = cli(["submit", "--nodes", "1", "--gpus", "2", "--tasks-per-node", "3", "--folder", str(tmp_path / "j"),
+                "--", "train"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "every rank needs a GPU of its own" in proc.stderr
+    assert not (tmp_path / "j").exists()
+
+
+def test_sbatch_test_only_refuses_what_the_cluster_cannot_run(slurm_cluster, tmp_path: Path) -> None:
+    proc = cli(["submit", "--nodes", "3", "--folder", str(tmp_path / "j"), "--", "train"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Slurm refuses this job" in proc.stderr, proc.stderr
+    assert not (tmp_path / "j").exists()
+    assert render_sbatch(SubmitConfig(nodes=3), ["train"])  # the script itself is fine; the cluster is too small
