@@ -35,7 +35,8 @@ class ShardConfig:
     """How `hpctrain shard` turns a SOURCE into per-rank HDF5 shards."""
 
     source: str
-    """The SOURCE: digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/.hdf5 or FILE.csv."""
+    """The SOURCE: digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR,
+    cifar10:DIR or FILE.parquet."""
     out: Path
     """The output directory (created; must not exist unless `force`)."""
     shards: int = 8
@@ -54,11 +55,11 @@ class ShardConfig:
     """none, standard ((x - mean) / std) or minmax (to [0, 1]), per feature, from a streaming pass over the
     training samples; applied while writing (stored as float32) and recorded in the manifest."""
     image_size: str | None = None
-    """imagefolder: resize (shorter side) and center-crop every image to H or HxW pixels."""
+    """Image sources: scale to cover and center-crop every image to H or HxW pixels."""
     channels: int | None = None
-    """imagefolder: 1 (grayscale) or 3 (RGB); default: what the images are."""
+    """Image sources: 1 (grayscale) or 3 (RGB); default: what the images are."""
     skip_bad: bool = False
-    """imagefolder: skip unreadable images (counted in the manifest) instead of stopping."""
+    """Image sources: skip unreadable images (counted in the manifest) instead of stopping."""
     workers: int = 0
     """Decoding worker processes (0: one per CPU)."""
     label_column: str | None = None

@@ -67,7 +67,7 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, dropout: float = 0.0) ->
 
     c, h, w = _image_shape(input_shape)
     layers: list[Any] = [
-        nn.Unflatten(1, (c, h, w)),
+        nn.Flatten(), nn.Unflatten(1, (c, h, w)),  # flat rows and (N, C, H, W) images alike
         nn.Conv2d(c, 32, 3, padding=1), nn.ReLU(),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
         nn.MaxPool2d(2) if min(h, w) >= 2 else nn.Identity(),

@@ -49,7 +49,9 @@ class Source:
 
     @property
     def num_classes(self) -> int:
-        return int(self.y.max()) + 1 if self.n else 0
+        """Classes the model must output: the named classes when the source names them, else max label + 1."""
+        named = len(self.meta.get("classes", []))
+        return max(named, int(self.y.max()) + 1 if self.n else 0)
 
 
 def _store_dtype(dtype: np.dtype) -> np.dtype:

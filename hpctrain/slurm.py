@@ -242,6 +242,9 @@ def log_path(folder: Path, job_id: str, rank: int = 0, stream: str = "err") -> P
 def _run(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"`{' '.join(argv)}` did not answer in {timeout:g} s "
+                                           "(is slurmctld up? `scontrol ping`)")
     except FileNotFoundError:
         raise SubmissionError(
             f"`{argv[0]}` not found: this machine has no Slurm client. Run on a login node, start the local "
@@ -333,8 +336,9 @@ def parse_duration(text: str) -> int | None:
 def slurm_job(job_id: str) -> dict[str, str] | None:
     """What Slurm still knows about a job (`scontrol show job -o`), or None once it has forgotten it."""
     try:
-        proc = _run(["scontrol", "show", "job", "-o", str(job_id)])
-    except SubmissionError:  # no Slurm client here: the record alone tells
+        # a controller that is down makes scontrol retry for a minute: the record alone tells then
+        proc = _run(["scontrol", "show", "job", "-o", str(job_id)], timeout=10)
+    except SubmissionError:  # no Slurm client here
         return None
     if proc.returncode != 0 or "JobId=" not in proc.stdout:
         return None
@@ -450,7 +454,7 @@ def stop_reason(time_left_s: int | None, signal_delay_s: int) -> str:
 
 
 def _time_left(job_id: str) -> int | None:
-    proc = _run(["squeue", "-h", "-j", str(job_id), "-o", "%L"])
+    proc = _run(["squeue", "-h", "-j", str(job_id), "-o", "%L"], timeout=10)
     return parse_duration(proc.stdout) if proc.returncode == 0 else None
 
 

@@ -55,6 +55,18 @@ _APP = typer.Typer(pretty_exceptions_enable=False)
 submit_cli.register(_APP)
 
 
+@pytest.fixture(autouse=True)
+def no_cluster(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests never talk to a cluster: Slurm's query commands are faked (they answer "no such job" at
+    once), so a Slurm client left installed with its controller stopped cannot make them wait. The real
+    cluster is exercised in tests/slurm/."""
+    fake = tmp_path_factory.mktemp("fake-slurm")
+    for name in ("scontrol", "squeue", "sbatch", "scancel"):
+        (fake / name).write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
+        (fake / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+
+
 def make_app() -> typer.Typer:
     """The Slurm commands as cli/main.py registers them (submit_cli.register), on an app of their own."""
     return _APP
