@@ -23,7 +23,7 @@ from pathlib import Path
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 
 
-def worker(data: str, steps: int) -> None:
+def worker(data: str, steps: int, scaled: bool) -> None:
     """The custom loop, as a user would write it with the API."""
     import torch
 
@@ -42,7 +42,8 @@ def worker(data: str, steps: int) -> None:
         for x, y in loader:
             t0 = time.perf_counter()
             opt.zero_grad()
-            loss_fn(model(x), y).backward()
+            loss = loss_fn(model(x), y)
+            (opt.scale_loss(loss) if scaled else loss).backward()
             opt.step()
             times.append(time.perf_counter() - t0)
             done += 1
@@ -65,9 +66,10 @@ def train_step_ms(data: Path, run: Path, steps: int) -> float:
     return statistics.median(times)
 
 
-def api_step_ms(data: Path, steps: int) -> float:
+def api_step_ms(data: Path, steps: int, scaled: bool) -> float:
     out = subprocess.run(["mpirun", "-n", "2", "--bind-to", "none", sys.executable, __file__, "--worker", str(data),
-                          "--steps", str(steps)], check=True, capture_output=True, text=True, env=ENV).stdout
+                          "--steps", str(steps), *(["--scaled"] if scaled else [])], check=True, capture_output=True,
+                         text=True, env=ENV).stdout
     return json.loads(out.strip().splitlines()[-1])["step_ms"]
 
 
@@ -77,25 +79,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--scaled", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.steps)
+        worker(args.worker, args.steps, args.scaled)
         return
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         subprocess.run([sys.executable, "-m", "hpctrain", "shard", "synthetic:9600:784:10", str(data), "--shards", "2",
                         "--val-fraction", "0"], check=True, capture_output=True)
-        train, api = [], []
+        train, api, plain = [], [], []
         for i in range(args.repeats):
             train.append(train_step_ms(data, Path(tmp) / f"r{i}", args.steps))
-            api.append(api_step_ms(data, args.steps))
-    result = {"train_step_ms": statistics.median(train), "api_step_ms": statistics.median(api)}
+            api.append(api_step_ms(data, args.steps, scaled=True))
+            plain.append(api_step_ms(data, args.steps, scaled=False))
+    result = {"train_step_ms": statistics.median(train), "api_step_ms": statistics.median(api),
+              "api_unscaled_step_ms": statistics.median(plain)}
     result["api_over_train"] = result["api_step_ms"] / result["train_step_ms"]
+    result["api_unscaled_over_train"] = result["api_unscaled_step_ms"] / result["train_step_ms"]
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"hpctrain train step: {result['train_step_ms']:.2f} ms; API custom loop: {result['api_step_ms']:.2f} ms "
-              f"({result['api_over_train']:.3f}x)")
+        print(f"hpctrain train step: {result['train_step_ms']:.2f} ms; API loop with opt.scale_loss: "
+              f"{result['api_step_ms']:.2f} ms ({result['api_over_train']:.3f}x); plain loss.backward(): "
+              f"{result['api_unscaled_step_ms']:.2f} ms ({result['api_unscaled_over_train']:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -99,14 +99,25 @@ class DistributedOptimizer:
             overlap = auto_overlap(ctx.env, ctx.device.type if hasattr(ctx.device, "type") else "cpu")
         self.sync = GradSync(model.parameters(), ctx.comm, bucket_mb=bucket_mb, overlap=overlap,
                              compress=compress, hierarchical=hierarchical, deterministic=deterministic)
+        self.world_size = ctx.world_size
         self.sync.postscale = 1.0 / ctx.world_size
         self.param_groups = optimizer.param_groups
 
+    def _weight(self) -> float:
+        """This rank's share of the step's mean: 1 / world size, or its share of the samples (loader)."""
+        return self.loader.rank_weight() if self.loader is not None else 1.0 / self.world_size
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.sync.zero()
-        if self.loader is not None:
-            # weight this rank by its share of the step's samples: exact means on uneven last batches
-            self.sync.prescale, self.sync.postscale = self.loader.rank_weight(), 1.0
+        # The mean over ranks costs one in-place pass over the gradients, inside the reduction...
+        self.sync.prescale, self.sync.postscale = (self.loader.rank_weight(), 1.0) if self.loader else (1.0, 1.0 / self.world_size)
+
+    def scale_loss(self, loss: Any) -> Any:
+        """...unless the loss carries it: `opt.scale_loss(loss).backward()` multiplies the loss by this rank's
+        weight, so the summed gradients already are the mean and no pass over gradient memory is needed
+        (what `hpctrain train` does). Call it after `zero_grad()`, before backward."""
+        self.sync.prescale = self.sync.postscale = 1.0
+        return loss * self._weight()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -52,3 +52,9 @@ def test_import_is_cheap() -> None:
     code = "import sys, hpctrain; hpctrain.__dir__(); print('torch' in sys.modules, 'mpi4py' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_distributed_optimizer_gives_the_mean_gradient(n: int) -> None:
+    proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "api_check.py")], python_module=False)
+    assert f"API OK {n}" in proc.stdout
