@@ -58,10 +58,14 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
 
     from .comm import _mpi
 
+    from .progress import Progress
+
     MPI = _mpi()
     rows = []
     n = comm.size
+    bar = Progress(len(sizes), "bench allreduce", enabled=comm.rank == 0, unit="sizes")
     for size in sizes:
+        bar.update(0, size=f"{size} B")
         count = max(1, size // 4)
         reps = iters or int(min(200, max(5, (64 << 20) // max(size, 1) // 4)))
         raw = np.ones(count, np.float32)
@@ -78,6 +82,8 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
             "hpctrain_algbw_gbs": count * 4 / hp_s / 1e9, "hpctrain_busbw_gbs": count * 4 / hp_s / 1e9 * bus,
             "ratio": hp_s / raw_s,
         })
+        bar.update(1)
+    bar.close()
     return {"world_size": n, "bucket_mb": bucket_mb, "sizes": rows}
 
 
@@ -157,6 +163,9 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     elif baseline not in (None, "none", "ddp"):
         raise ConfigError(f"unknown --baseline {baseline!r}: choose ddp or none")
 
+    from .progress import Progress
+
+    bar = Progress(rounds, "bench train", enabled=comm.rank == 0, unit="rounds")
     hp_times: list[float] = []
     ddp_times: list[float] = []
     for _ in range(2):
@@ -168,6 +177,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         hp_times.append(_median_time(comm, hp_step, steps, warmup=1))
         if ddp_step:
             ddp_times.append(_median_time(comm, ddp_step, steps, warmup=1))
+        bar.update(1, hpctrain_ms=f"{hp_times[-1] * 1e3:.1f}")
+    bar.close()
     hp_ms = statistics.median(hp_times) * 1e3
     result: dict[str, Any] = {
         "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
