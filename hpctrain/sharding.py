@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -412,9 +413,10 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
             finally:
                 for h5 in files.values():
                     h5.close()
-            for s, k in group:
-                rel = f"{SPLITS[s]}/{shard_name(k, shards)}"
-                digests[rel] = sha256_file(tmp / rel)
+            # hash this group's files in parallel threads (hashlib releases the GIL on large reads)
+            rels = [f"{SPLITS[s]}/{shard_name(k, shards)}" for s, k in group]
+            with ThreadPoolExecutor(max_workers=max(1, min(len(rels), os.cpu_count() or 1))) as pool:
+                digests.update(zip(rels, pool.map(lambda rel: sha256_file(tmp / rel), rels)))
     return digests
 
 
