@@ -85,12 +85,6 @@ class Comm:
             self.mpi.Allreduce(MPI.IN_PLACE, buf, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
         return buf
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on at least one rank."""
-        if self.size == 1:
-            return bool(flag)
-        return bool(self.allreduce_array([1.0 if flag else 0.0], op="max")[0])
-
     def broadcast_tensors(self, tensors: Iterable[Any], root: int = 0) -> None:
         """Broadcast CPU tensors in place from `root` (parameters and buffers at start-up)."""
         if self.size == 1:

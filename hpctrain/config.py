@@ -7,7 +7,7 @@ The CLI and a TOML file (`--config run.toml`, same keys as the flags) both build
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +206,3 @@ class TrainConfig:
                 out[f.name] = value
         out.update(self.extra)
         return out
-
-
-def dataclass_dict(obj: Any) -> dict[str, Any]:
-    """asdict with paths turned into strings."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(obj).items()}
