@@ -165,7 +165,7 @@ def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False
         for f in everything:
             bar.update(1)
             try:
-                with h5py.File(f.path, "r", locking=False) as h5:
+                with h5py.File(f.path, "r", locking=reader_locking()) as h5:
                     n = {name: h5[name].shape[0] for name in ("x", "y", "index")}
             except (OSError, KeyError) as exc:
                 problems.append(f"{f.path}: unreadable or missing a dataset ({exc})")

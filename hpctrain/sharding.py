@@ -28,6 +28,7 @@ from .config import ShardConfig
 from .env import read_env
 from .data import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
 from .errors import ConfigError, DataError, HpctrainError
+from .hdf5env import reader_locking
 from .progress import Progress
 
 SOURCE_FORMS = ("digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/FILE.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR, "
@@ -146,7 +147,7 @@ def _hdf5(path: Path) -> Source:
     import h5py
 
     try:
-        h5 = h5py.File(path, "r", locking=False)
+        h5 = h5py.File(path, "r", locking=reader_locking())
     except OSError as exc:
         raise DataError(f"cannot open {str(path)!r} as HDF5 ({exc})") from exc
     missing = [k for k in ("x", "y") if k not in h5 or not isinstance(h5[k], h5py.Dataset)]
