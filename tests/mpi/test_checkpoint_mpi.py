@@ -69,6 +69,9 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(digits2: Path, tmp_path:
     meta = ckpt.check(latest)
     assert meta["step"] >= 100 and meta["step"] < reference["steps"]
     assert not (run / "summary.json").exists()
+    # each rank wrote about half of the (replicated) model and optimizer bytes
+    sizes = [(latest / ckpt.part_name(r)).stat().st_size for r in range(2)]
+    assert meta["parts"] == 2 and min(sizes) > 0.8 * max(sizes), sizes
     hpctrain(["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(run), *ARGS,
               "--audit-samples"])
     resumed = summary(run)
@@ -159,7 +162,7 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path: Path, digits2: Path) ->
               "--keep", "3"])
     steps = [int(p.name[5:]) for p in ckpt.list_checkpoints(run)]
     assert steps == [30, 20, 10]
-    with open(run / "checkpoints" / "step-0000030" / "model.pt", "r+b") as fh:
+    with open(run / "checkpoints" / "step-0000030" / "part-00000.bin", "r+b") as fh:
         fh.truncate(100)
     proc = hpctrain(["train", "--data", str(digits2), "--run-dir", str(run), "--max-steps", "40"])
     assert "damaged checkpoint" in proc.stderr

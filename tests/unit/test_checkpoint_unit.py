@@ -1,0 +1,96 @@
+"""The checkpoint module's in-process parts: staging buffers, the part-file format, the split of the writing
+over ranks, and a save/load round trip (one process, no MPI: the multi-rank tests are in tests/mpi)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain import checkpoint as ckpt
+from hpctrain.comm import Comm
+from hpctrain.errors import CheckpointError
+
+
+def test_staging_reuses_buffers_and_snapshots_are_independent_of_training() -> None:
+    staging = ckpt.Staging()
+    w = torch.randn(64, 32)
+    first = staging.snapshot({0: w, 1: w.t(), 2: torch.zeros(3)})
+    assert torch.equal(first[0], w) and torch.equal(first[1], w.t())  # a non-contiguous source copies by value
+    ptr = first[0].data_ptr()
+    w.add_(1.0)  # training goes on: the snapshot must not move
+    assert not torch.equal(first[0], w)
+    second = staging.snapshot({0: w, 2: torch.zeros(4, dtype=torch.float64)})
+    assert second[0].data_ptr() == ptr  # the same host buffer, no new allocation
+    assert torch.equal(second[0], w)
+    assert second[2].shape == (4,) and second[2].dtype == torch.float64  # shape and dtype changed: a new buffer
+    assert set(staging.buffers) == {0, 2}  # a tensor no longer written frees its buffer
+
+
+def test_part_file_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
+    tensors = {0: torch.randn(5, 7), 3: torch.arange(11, dtype=torch.int64), 4: torch.tensor(2.5),
+               7: torch.randn(3).to(torch.bfloat16), 8: torch.zeros(0, 4), 9: torch.tensor([True, False, True])}
+    digest = ckpt.write_part(tmp_path / "p.bin", tensors)
+    assert digest == ckpt._sha256_file(tmp_path / "p.bin")
+    back = ckpt.read_part(tmp_path / "p.bin")
+    assert set(back) == set(tensors)
+    for key, t in tensors.items():
+        assert back[key].dtype == t.dtype and back[key].shape == t.shape and torch.equal(back[key], t)
+
+
+def test_part_file_damage_is_a_clear_error(tmp_path: Path) -> None:
+    ckpt.write_part(tmp_path / "p.bin", {0: torch.randn(1000)})
+    data = (tmp_path / "p.bin").read_bytes()
+    (tmp_path / "short.bin").write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="does not fit"):
+        ckpt.read_part(tmp_path / "short.bin")
+    (tmp_path / "magic.bin").write_bytes(b"NOTAPART" + data[8:])
+    with pytest.raises(CheckpointError, match="magic"):
+        ckpt.read_part(tmp_path / "magic.bin")
+    (tmp_path / "dtype.bin").write_bytes(data.replace(b'"float32"', b'"Tensor "'))
+    with pytest.raises(CheckpointError, match="unknown dtype"):
+        ckpt.read_part(tmp_path / "dtype.bin")
+
+
+def test_writers_share_the_bytes_evenly_and_agree_without_talking() -> None:
+    tensors = [torch.empty(n) for n in (4_000_000, 1_600_000, 4_000_000, 2048, 1_600_000, 10, 2048, 10)]
+    owner = ckpt.assign_writers(tensors, 2)
+    assert owner == ckpt.assign_writers(tensors, 2)
+    load = [sum(t.numel() for t, o in zip(tensors, owner) if o == r) for r in range(2)]
+    assert abs(load[0] - load[1]) <= 2048 * 2  # two of the big four each, then the small ones balance
+    assert ckpt.assign_writers(tensors, 1) == [0] * len(tensors)
+    assert sorted(set(ckpt.assign_writers(tensors, 16))) == list(range(8))  # more ranks than tensors: one each
+
+
+def test_save_then_load_round_trip_with_reused_buffers(tmp_path: Path) -> None:
+    mgr = ckpt.CheckpointManager(tmp_path, Comm(None), every=1, keep=2)
+    w = torch.randn(16, 16)
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.randn(16))], lr=0.1)
+    opt.param_groups[0]["params"][0].grad = torch.ones(16)
+    opt.step()
+    for step in (1, 2, 3):
+        w.add_(1.0)
+        expected = w.clone()
+        mgr.save(step, {"model_state": {"w": w}, "train_state": {"optimizer": opt.state_dict(), "step": step},
+                        "rank_state": {"r": 0}, "meta": {"step": step}})
+        w.add_(100.0)  # changed while the background write may still run; the checkpoint keeps step's value
+    mgr.wait()
+    names = sorted(p.name for p in ckpt.list_checkpoints(tmp_path))
+    assert names == ["step-0000002", "step-0000003"]
+    loaded = ckpt.load_files(ckpt.latest(tmp_path))
+    assert torch.equal(loaded["model"]["w"], expected)
+    assert loaded["train"]["step"] == 3 and loaded["ranks"] == [{"r": 0}]
+    assert torch.equal(loaded["train"]["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert sorted(loaded["meta"]["sha256"]) == ["part-00000.bin", "ranks.pt", "state.pt"]
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_failed_write_is_reported_and_leaves_nothing_listed(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").write_text("not a directory")  # every write fails
+    mgr = ckpt.CheckpointManager(tmp_path, Comm(None), every=1, keep=2)
+    state = {"model_state": {"w": torch.ones(3)}, "train_state": {}, "rank_state": {}, "meta": {}}
+    mgr.save(1, state)  # asynchronous: the failure surfaces at the next wait
+    with pytest.raises(CheckpointError, match="writing a checkpoint failed.*rank 0"):
+        mgr.save(2, state, final=True)
+    assert ckpt.list_checkpoints(tmp_path) == []
