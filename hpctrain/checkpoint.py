@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .durable import fsync_dir
 from .errors import CheckpointError
 
 MARKER = "COMPLETE"
@@ -67,13 +68,6 @@ def part_name(rank: int) -> str:
 def expected_files(parts: int) -> set[str]:
     return {STATE, RANKS, *(part_name(r) for r in range(parts))}
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -502,12 +496,12 @@ class CheckpointManager:
             tmp = job["tmp"]
             _write_bytes(tmp / "meta.json", json.dumps(dict(job["meta"], sha256=digests), indent=2, default=str).encode())
             _write_bytes(tmp / MARKER, b"")
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             final = self.root / step_dir_name(job["step"])
             if final.exists():  # a stale one from an earlier, diverged attempt at the same step
                 _discard(final)
             tmp.rename(final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._prune()
         except BaseException as exc:  # noqa: BLE001 - reported by wait()
             self._fail(exc)

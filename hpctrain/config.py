@@ -61,9 +61,14 @@ class ShardConfig:
     skip_bad: bool = False
     """Image sources: skip unreadable images (counted in the manifest) instead of stopping."""
     workers: int = 0
-    """Decoding worker processes (0: one per CPU)."""
+    """Worker processes (0: one per CPU) that decode images, or, for an HDF5 source in a process started
+    alone, each write their share of the shard files."""
     label_column: str | None = None
     """FILE.parquet: the label column (default: the last column)."""
+    fsync: bool = False
+    """Make every file durable (fsync) before OUT is renamed into place; the command then waits for the disk.
+    Without it, as with cp or h5repack, a crash of this node in the moments after `shard` returns can leave
+    a file torn, which `hpctrain verify` (sha256) and the per-chunk fletcher32 checks detect."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)

@@ -7,7 +7,10 @@ reads the source in chunks and appends each chunk's rows to their shards, so mem
 chunk whatever the size of the source.
 
 Everything is written into a hidden temporary directory beside OUT and renamed into place at the end, so
-a failure leaves nothing behind and a reader never sees a half-written dataset.
+a failure leaves nothing behind and a reader never sees a half-written dataset. `--fsync` also makes every
+file durable before the rename (the command then waits for the disk); without it, as with cp, a crash of
+the node just after `shard` returns can tear a file, which the manifest's sha256 and the per-chunk
+fletcher32 checks detect.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .comm import Comm, world
 from .config import ShardConfig
 from .env import read_env
 from .data import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
+from .durable import fsync_dir
 from .errors import ConfigError, DataError, HpctrainError
 from .hdf5env import reader_locking
 from .progress import Progress
@@ -38,7 +42,11 @@ _READ_BYTES = 64 << 20  # rows of the source read at a time: about this many byt
 
 @dataclass(slots=True)
 class Source:
-    """A dataset to shard: sample shape and dtype, all labels, and chunked access to x."""
+    """A dataset to shard: sample shape and dtype, all labels, and chunked access to x.
+
+    `read(start, stop)` returns rows start:stop of x; the array may be a buffer that the next call reuses
+    (a fresh 64 MiB array per read pays its page faults every time), so use it before reading again.
+    """
 
     name: str
     n: int
@@ -48,6 +56,8 @@ class Source:
     read: Callable[[int, int], np.ndarray]
     meta: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
+    reopenable: bool = False
+    """Cheap to open again in another process (a file read in pieces): worker processes may write shards."""
 
     @property
     def num_classes(self) -> int:
@@ -164,7 +174,18 @@ def _hdf5(path: Path) -> Source:
     except DataError:
         h5.close()
         raise
-    return Source(str(path), x.shape[0], tuple(x.shape[1:]), x.dtype, y, lambda s, e: x[s:e], close=h5.close)
+    buffer: list[np.ndarray] = []
+
+    def read(start: int, stop: int) -> np.ndarray:
+        # into one buffer reused from read to read (see Source)
+        if not buffer or len(buffer[0]) < stop - start:
+            buffer[:] = [np.empty((stop - start, *x.shape[1:]), x.dtype)]
+        out = buffer[0][:stop - start]
+        if stop > start:
+            x.read_direct(out, np.s_[start:stop])
+        return out
+
+    return Source(str(path), x.shape[0], tuple(x.shape[1:]), x.dtype, y, read, close=h5.close, reopenable=True)
 
 
 def _csv(path: Path) -> Source:
@@ -291,8 +312,13 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
                     if sizes[split].sum() > 0:
                         (tmp / split).mkdir(parents=True, exist_ok=True)
             comm.barrier()
-            digests = _write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, norm, comm,
-                             show_progress and comm.rank == 0)
+            files = sum(int((sizes[split] > 0).sum()) for split in SPLITS)
+            workers = min(read_env().torch_threads() if cfg.workers == 0 else cfg.workers, files)
+            if comm.size == 1 and source.reopenable and workers > 1:
+                digests = _write_in_workers(cfg, workers, dtype, chunk_rows, read_rows, tmp, norm, show_progress)
+            else:
+                digests = _write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, norm,
+                                 (comm.rank, comm.size), show_progress and comm.rank == 0)
         except HpctrainError as exc:
             error = exc
         except OSError as exc:
@@ -303,7 +329,7 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
             if comm.rank == 0:
                 merged = {k: v for part in gathered for k, v in part.items()}
                 manifest = _manifest(cfg, source, sizes, dtype, chunk_rows, norm, merged, tmp)
-                _commit(tmp, out)
+                _commit(tmp, out, cfg.fsync)
             manifest = comm.bcast(manifest)
         except BaseException:
             if comm.rank == 0:
@@ -351,10 +377,46 @@ def _statistics(cfg: ShardConfig, source: Source, slot: np.ndarray, read_rows: i
             "offset": offset.astype(np.float32).tolist(), "scale": scale.astype(np.float32).tolist()}
 
 
+def _write_in_workers(cfg: ShardConfig, workers: int, dtype: np.dtype, chunk_rows: int, read_rows: int, tmp: Path,
+                      norm: dict[str, Any] | None, show_progress: bool) -> dict[str, str]:
+    """One process alone writes with `workers` processes, each its share of the files (as K ranks would):
+    HDF5 writes one dataset at a time per process, and the fletcher32 and sha256 passes are CPU-bound."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    methods = multiprocessing.get_all_start_methods()
+    # never fork: this process has the source's HDF5 file open (and maybe threads)
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["hpctrain.sharding", "h5py"])
+    digests: dict[str, str] = {}
+    try:
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            jobs = [pool.submit(_write_part, cfg, (w, workers), dtype, chunk_rows, read_rows, tmp, norm,
+                                show_progress and w == 0) for w in range(workers)]
+            for job in jobs:
+                digests.update(job.result())
+    except BrokenProcessPool as exc:
+        raise DataError(f"a shard writer process died ({exc}); out of memory? retry with --workers 1") from None
+    return digests
+
+
+def _write_part(cfg: ShardConfig, part: tuple[int, int], dtype: np.dtype, chunk_rows: int, read_rows: int, tmp: Path,
+                norm: dict[str, Any] | None, show_progress: bool) -> dict[str, str]:
+    """A worker process: open the source anew and write its share of the files."""
+    source = open_source(cfg.source, cfg.seed, cfg)
+    try:
+        slot, sizes = assign(source.n, cfg.shards, cfg.val_fraction, cfg.seed)
+        return _write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, norm, part, show_progress)
+    finally:
+        source.close()
+
+
 def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, np.ndarray], dtype: np.dtype,
-           chunk_rows: int, read_rows: int, tmp: Path, norm: dict[str, Any] | None, comm: Comm,
+           chunk_rows: int, read_rows: int, tmp: Path, norm: dict[str, Any] | None, part: tuple[int, int],
            show_progress: bool) -> dict[str, str]:
-    """Write this rank's shard files; return {relative path: sha256}."""
+    """Write part (index, count) of the shard files (a rank's or a worker's); return {relative path: sha256}."""
     import h5py
 
     shards = cfg.shards
@@ -362,7 +424,7 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
     if cfg.compression != "none":
         filters.update(compression=cfg.compression, shuffle=True)
     live = [(s, k) for s, split in enumerate(SPLITS) for k in range(shards) if sizes[split][k] > 0]
-    mine = live[comm.rank::comm.size]
+    mine = live[part[0]::part[1]]
     offset = scale = None
     if norm is not None:
         offset = np.asarray(norm["offset"], np.float32)
@@ -370,6 +432,10 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
     # Keep at most this many files open at once; more slots take more passes over the source.
     per_pass = 256
     digests: dict[str, str] = {}
+    gather: np.ndarray | None = None
+    # the chunk cache holds a few chunks per dataset, so a chunk split between two writes is not evicted
+    # half-filled (and, with fletcher32, read back and checked) before its second half arrives
+    cache = max(4 << 20, 4 * chunk_rows * int(np.prod(source.x_shape, dtype=np.int64)) * dtype.itemsize)
     with Progress(source.n * max(1, -(-len(mine) // per_pass)), f"shard {cfg.source}", enabled=show_progress,
                   unit="samples") as bar:
         for g in range(0, len(mine), per_pass):
@@ -378,7 +444,7 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
             try:
                 for s, k in group:
                     count = int(sizes[SPLITS[s]][k])
-                    h5 = h5py.File(tmp / SPLITS[s] / shard_name(k, shards), "w", locking=False)
+                    h5 = h5py.File(tmp / SPLITS[s] / shard_name(k, shards), "w", locking=False, rdcc_nbytes=cache)
                     rows = min(chunk_rows, count)
                     h5.create_dataset("x", (count, *source.x_shape), dtype=dtype, chunks=(rows, *source.x_shape), **filters)
                     h5.create_dataset("y", (count,), dtype=np.int64, chunks=(min(count, max(rows, 1024)),), **filters)
@@ -388,7 +454,7 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
                 for start in range(0, source.n, read_rows):
                     stop = min(source.n, start + read_rows)
                     keys = slot[start:stop]
-                    wanted = np.isin(keys, list(files)) if comm.size > 1 or len(group) < len(live) else None
+                    wanted = np.isin(keys, list(files)) if part[1] > 1 or len(group) < len(live) else None
                     if wanted is not None and not wanted.any():
                         bar.update(stop - start)
                         continue
@@ -403,7 +469,10 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
                         if h5 is None:
                             continue
                         p, m = pos[key], len(run)
-                        rows_x = x[run]
+                        if gather is None or len(gather) < m or gather.dtype != x.dtype:
+                            gather = np.empty((max(m, len(x)), *x.shape[1:]), x.dtype)
+                        # into a buffer reused, not a new array per run ("clip": numpy buffers `out` under "raise")
+                        rows_x = np.take(x, run, axis=0, out=gather[:m], mode="clip")
                         if offset is not None:
                             rows_x = (rows_x.astype(np.float32) - offset) / scale
                         h5["x"][p:p + m] = rows_x.astype(dtype, copy=False)
@@ -414,11 +483,20 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
             finally:
                 for h5 in files.values():
                     h5.close()
-            # hash this group's files in parallel threads (hashlib releases the GIL on large reads)
+            # hash this group's files and make them durable, in parallel threads (hashlib and fsync release
+            # the GIL): one file's fsync overlaps another's hashing
             rels = [f"{SPLITS[s]}/{shard_name(k, shards)}" for s, k in group]
             with ThreadPoolExecutor(max_workers=max(1, min(len(rels), os.cpu_count() or 1))) as pool:
-                digests.update(zip(rels, pool.map(lambda rel: sha256_file(tmp / rel), rels)))
+                digests.update(zip(rels, pool.map(lambda rel: _hash_and_sync(tmp / rel, cfg.fsync), rels)))
     return digests
+
+
+def _hash_and_sync(path: Path, fsync: bool) -> str:
+    digest = sha256_file(path)
+    if fsync:
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+    return digest
 
 
 def _manifest(cfg: ShardConfig, source: Source, sizes: dict[str, np.ndarray], dtype: np.dtype, chunk_rows: int,
@@ -455,20 +533,26 @@ def _manifest(cfg: ShardConfig, source: Source, sizes: dict[str, np.ndarray], dt
         json.dump(manifest, fh, indent=2)
         fh.write("\n")
         fh.flush()
-        os.fsync(fh.fileno())
+        if cfg.fsync:
+            os.fsync(fh.fileno())
     return manifest
 
 
-def _commit(tmp: Path, out: Path) -> None:
-    """Move the finished directory into place; an old OUT (with --force) is removed only afterwards."""
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+def _commit(tmp: Path, out: Path, fsync: bool) -> None:
+    """Move the finished directory into place; an old OUT (with --force) is removed only afterwards.
+
+    With --fsync every shard file was fsynced by the rank that wrote it, the manifest by `_manifest`; what
+    remains are the directory entries, before and after the rename."""
+    if fsync:
+        for path in [tmp, *(p for p in tmp.iterdir() if p.is_dir())]:
+            fsync_dir(path)
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
     tmp.rename(out)
+    if fsync:
+        fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+

@@ -26,8 +26,9 @@ def shard(
     image_size: Annotated[Optional[str], typer.Option(help="Image sources: scale and center-crop to H or HxW.")] = None,
     channels: Annotated[Optional[int], typer.Option(help="Image sources: 1 (grayscale) or 3 (RGB).")] = None,
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Image sources: skip unreadable images (counted).")] = False,
-    workers: Annotated[int, typer.Option(help="Decoding worker processes (0: one per CPU).")] = 0,
+    workers: Annotated[int, typer.Option(help="Worker processes decoding images or writing shards from an HDF5 source (0: one per CPU).")] = 0,
     label_column: Annotated[Optional[str], typer.Option(help="FILE.parquet: label column (default: last).")] = None,
+    fsync: Annotated[bool, typer.Option("--fsync", help="fsync every file before OUT appears (durable; waits for the disk).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Split SOURCE into per-rank HDF5 shards with a manifest.
@@ -38,7 +39,8 @@ def shard(
 
     cfg = ShardConfig(source=source, out=out, shards=shards, val_fraction=val_fraction, seed=seed,
                       compression=compression, chunk_rows=chunk_rows, normalize=normalize, force=force, image_size=image_size,
-                      channels=channels, skip_bad=skip_bad, workers=workers, label_column=label_column)
+                      channels=channels, skip_bad=skip_bad, workers=workers, label_column=label_column,
+                      fsync=fsync)
     manifest = write_shards(cfg, show_progress=not json_out)
     if not is_rank0():
         return

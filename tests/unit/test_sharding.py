@@ -86,25 +86,66 @@ def test_npz(tmp_path: Path) -> None:
     assert load_manifest(tmp_path / "o").x_dtype == "float64"  # floats are stored as they are
 
 
-def test_hdf5_read_in_chunks(tmp_path: Path) -> None:
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((5000, 6)).astype(np.float32)
-    y = rng.integers(0, 3, 5000)
-    with h5py.File(tmp_path / "a.h5", "w") as h5:
+def random_h5(path: Path, seed: int, n: int, d: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    y = rng.integers(0, classes, n)
+    with h5py.File(path, "w") as h5:
         h5["x"] = x
         h5["y"] = y
+    return x, y
+
+
+def test_hdf5_read_in_chunks(tmp_path: Path) -> None:
+    x, y = random_h5(tmp_path / "a.h5", 1, 5000, 6, 3)
     import hpctrain.sharding as sh
 
     old = sh._READ_BYTES
     sh._READ_BYTES = 24 * 700  # force many read chunks
     try:
         shard(ShardConfig(source=str(tmp_path / "a.h5"), out=tmp_path / "o", shards=4, chunk_rows=100,
-                          compression="gzip"), show_progress=False)
+                          compression="gzip", workers=1), show_progress=False)  # in this process: sees the patch
     finally:
         sh._READ_BYTES = old
     check_layout(tmp_path / "o", x, y, 4)
     with h5py.File(next((tmp_path / "o" / "train").iterdir()), "r") as h5:
         assert h5["x"].chunks[0] == 100 and h5["x"].compression == "gzip" and h5["x"].fletcher32
+
+
+def test_hdf5_written_by_worker_processes_is_identical_to_one_process(tmp_path: Path) -> None:
+    x, y = random_h5(tmp_path / "a.h5", 2, 3000, 5, 4)
+    manifests = {}
+    for workers, fsync in ((1, False), (3, True)):
+        out = tmp_path / f"w{workers}"
+        manifests[workers] = shard(ShardConfig(source=str(tmp_path / "a.h5"), out=out, shards=3, val_fraction=0.2,
+                                               workers=workers, fsync=fsync), show_progress=False)
+        check_layout(out, x, y, 3)
+    digests = {w: [e["sha256"] for split in m["splits"].values() for e in split["shards"]] for w, m in manifests.items()}
+    assert digests[1] == digests[3]  # 6 files over 3 workers: the same bytes as one process writes
+
+
+def test_a_worker_failure_is_one_error_and_leaves_nothing(tmp_path: Path) -> None:
+    with h5py.File(tmp_path / "a.h5", "w") as h5:
+        h5["x"] = np.zeros((400, 3), np.float32)
+        h5["y"] = np.zeros(400, np.int64)
+    cfg = ShardConfig(source=str(tmp_path / "a.h5"), out=tmp_path / "o", shards=4, workers=2)
+    # the workers open the source anew: make that fail after the parent has opened it
+    import hpctrain.sharding as sh
+
+    real = sh.open_source
+
+    def open_then_break(*args, **kwargs):
+        source = real(*args, **kwargs)
+        (tmp_path / "a.h5").rename(tmp_path / "gone.h5")
+        return source
+
+    sh.open_source = open_then_break
+    try:
+        with pytest.raises(DataError, match="not found"):
+            shard(cfg, show_progress=False)
+    finally:
+        sh.open_source = real
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp-*"))
 
 
 def test_csv_with_header(tmp_path: Path) -> None:
