@@ -25,25 +25,26 @@ import time
 from pathlib import Path
 
 
-def run(data: Path, run_dir: Path, every: int, steps: int) -> dict:
+def run(data: Path, run_dir: Path, every: int, steps: int, optimizer: str = "sgd") -> dict:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     out = subprocess.run(
         [sys.executable, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--data", str(data), "--run-dir",
          str(run_dir), "--model", "mlp:2048,2048", "--batch-size", "64", "--max-steps", str(steps), "--epochs", "100",
-         "--optimizer", "sgd", "--lr", "0.01", "--checkpoint-every", str(every), "--resume", "never", "--json",
+         "--optimizer", optimizer, "--lr", "0.01" if optimizer == "sgd" else "0.001", "--checkpoint-every", str(every), "--resume", "never", "--json",
          "--log-every", "50"],
         check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def torch_save_ms() -> float:
+def torch_save_ms(optimizer: str = "sgd") -> float:
     import torch
 
     from hpctrain.models import build_model
 
     torch.set_num_threads(1)
     model = build_model("mlp:2048,2048", (784,), 10)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=0.001))
     model(torch.randn(4, 784)).sum().backward()
     opt.step()
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
@@ -59,6 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                    help="sgd (momentum: 46 MB of state) or adam (70 MB)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,14 +70,14 @@ def main() -> None:
                         "--val-fraction", "0"], check=True, capture_output=True)
         plain, ckpt, stalls, writes = [], [], [], []
         for i in range(args.repeats):
-            plain.append(run(data, Path(tmp) / f"a{i}", 0, args.steps)["train_time_s"])
-            s = run(data, Path(tmp) / f"b{i}", 50, args.steps)
+            plain.append(run(data, Path(tmp) / f"a{i}", 0, args.steps, args.optimizer)["train_time_s"])
+            s = run(data, Path(tmp) / f"b{i}", 50, args.steps, args.optimizer)
             ckpt.append(s["train_time_s"])
             stalls.append(s["checkpoint"]["async_stall_median_s"] * 1e3)
             writes.append(s["checkpoint"]["write_cpu_s"] / s["checkpoint"]["saves"] * 1e3)
-    save_ms = torch_save_ms()
+    save_ms = torch_save_ms(args.optimizer)
     result = {
-        "steps": args.steps, "repeats": args.repeats,
+        "steps": args.steps, "repeats": args.repeats, "optimizer": args.optimizer,
         "train_s_no_checkpoints": statistics.median(plain), "train_s_every_50": statistics.median(ckpt),
         "overhead": statistics.median(ckpt) / statistics.median(plain) - 1,
         "stall_ms": statistics.median(stalls), "background_write_cpu_ms": statistics.median(writes),
