@@ -307,6 +307,8 @@ def check(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable meta.json ({exc!r})") from exc
     listed = meta.get("sha256", {})
+    if not isinstance(listed, dict) or not 1 <= parts <= len(listed):
+        raise CheckpointError(f"checkpoint {str(path)!r}: meta.json says {parts} part files but lists {len(listed)} files")
     if set(listed) != expected_files(parts):
         raise CheckpointError(f"checkpoint {str(path)!r} lists files {sorted(listed)}, expected {sorted(expected_files(parts))}")
     for name, digest in listed.items():

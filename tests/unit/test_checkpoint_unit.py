@@ -3,6 +3,7 @@ over ranks, and a save/load round trip (one process, no MPI: the multi-rank test
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,15 @@ def test_a_failed_write_is_reported_and_leaves_nothing_listed(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match="writing a checkpoint failed.*rank 0"):
         mgr.save(2, state, final=True)
     assert ckpt.list_checkpoints(tmp_path) == []
+
+
+def test_a_meta_json_that_lies_about_its_parts_is_refused(tmp_path: Path) -> None:
+    mgr = ckpt.CheckpointManager(tmp_path, Comm(None), every=1, keep=2)
+    mgr.save(1, {"model_state": {"w": torch.ones(3)}, "train_state": {}, "rank_state": {}, "meta": {}}, final=True)
+    path = ckpt.latest(tmp_path)
+    meta_file = path / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for parts in (10**9, 0, 2):
+        meta_file.write_text(json.dumps(dict(meta, parts=parts)))
+        with pytest.raises(CheckpointError, match="part files|lists files"):
+            ckpt.check(path)
