@@ -249,7 +249,7 @@ class Checkpointer:
         path = ctx.comm.bcast(str(path) if path else None)
         if path is None:
             return 0
-        state = _load_checkpoint(Path(path), ctx.comm)
+        state = _load_checkpoint(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
         model.load_state_dict(state["model"])
         opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         opt.load_state_dict(state["train"]["optimizer"])

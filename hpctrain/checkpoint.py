@@ -296,8 +296,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
 
 
-def check(path: Path) -> dict[str, Any]:
-    """The meta of a complete, intact checkpoint; raise CheckpointError saying what is wrong otherwise."""
+def check(path: Path, *, hash_files: bool = True) -> dict[str, Any]:
+    """The meta of a complete, intact checkpoint; raise CheckpointError saying what is wrong otherwise.
+
+    `hash_files=False` checks the marker, meta.json and the file list but not the checksums (for a caller
+    that verified this checkpoint moments ago)."""
     path = Path(path)
     if not (path / MARKER).is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} has no {MARKER} marker (it was never finished)")
@@ -315,7 +318,7 @@ def check(path: Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} lacks {name}")
-        if _sha256_file(file) != digest:
+        if hash_files and _sha256_file(file) != digest:
             raise CheckpointError(f"checkpoint {str(path)!r}: {name} does not match its checksum (corrupt or truncated)")
     return meta
 
@@ -332,12 +335,13 @@ def latest(run_dir: Path, warn: Any = None) -> Path | None:
     return None
 
 
-def load_files(path: Path) -> dict[str, Any]:
-    """Read a checkpoint: {"meta", "model", "train", "ranks"} (weights_only: no code runs from the files)."""
+def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
+    """Read a checkpoint: {"meta", "model", "train", "ranks"} (weights_only: no code runs from the files).
+    The checksums are checked first unless `verified` (the caller just did, e.g. through `latest`)."""
     import torch
 
     path = Path(path)
-    meta = check(path)
+    meta = check(path, hash_files=not verified)
     tensors: dict[int, Any] = {}
     for r in range(int(meta["parts"])):
         tensors.update(read_part(path / part_name(r)))

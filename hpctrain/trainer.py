@@ -270,11 +270,13 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
             raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, shards.x_shape, shards.num_classes)
-        resume_path = _resolve_resume(cfg, warnings.append)
+        if comm.rank == 0:  # one rank finds and verifies the checkpoint: checksums read every byte
+            resume_path = _resolve_resume(cfg, warnings.append)
     except HpctrainError as exc:
         error = exc
     comm.agree(error)
     assert shards is not None and model is not None
+    resume_path = comm.bcast(resume_path)
 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     log = _setup_logging(cfg.run_dir, comm.rank)
@@ -304,7 +306,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
     # -- where to start: fresh, or a checkpoint (maybe written on another world size, mid-epoch) ------
     step, start_epoch, start_in_epoch, resumed_from = 0, 0, 0, None
     prior: list[tuple[int, int]] = []  # (world size, steps) of this epoch's earlier segments
-    state = _load_checkpoint(resume_path, comm) if resume_path is not None else None
+    state = _load_checkpoint(resume_path, comm, verified=True) if resume_path is not None else None
     meta = state["meta"] if state is not None else None
     if meta is not None:
         if meta["data_fingerprint"] != shards.fingerprint:
@@ -614,16 +616,17 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm) -> dict[str, float]:
     return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}
 
 
-def _load_checkpoint(path: Path, comm: Comm) -> dict[str, Any]:
-    """Rank 0 reads the checkpoint and broadcasts it: one reader per job. The trees go out pickled, the
-    tensors' bytes by MPI_Bcast straight from their buffers (no pickling of tensor data): on 2 ranks here
-    faster than every rank reading the files itself (`python benchmarks/checkpoint_load.py`)."""
+def _load_checkpoint(path: Path, comm: Comm, *, verified: bool = False) -> dict[str, Any]:
+    """Rank 0 reads the checkpoint (verifying its checksums unless it just did) and broadcasts it: one
+    reader per job, kinder to a parallel filesystem than W ranks reading every file. The trees go out
+    pickled, the tensors' bytes by MPI_Bcast straight from their buffers (pickling them was 2.6x slower;
+    `python benchmarks/checkpoint_load.py`)."""
     import torch
 
     state, error = None, None
     if comm.rank == 0:
         try:
-            state = ckpt.load_files(path)
+            state = ckpt.load_files(path, verified=verified)
         except HpctrainError as exc:
             error = exc
     comm.agree(error if comm.rank == 0 else None)

@@ -169,6 +169,20 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path: Path, digits2: Path) ->
     assert summary(run)["resumed_from"] == 20
 
 
+def test_on_resume_only_rank_0_reads_and_verifies_the_checkpoints(tmp_path: Path, digits2: Path) -> None:
+    run = tmp_path / "run"
+    base = ["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(run), "--checkpoint-every", "10",
+            "--keep", "3"]
+    hpctrain([*base, "--max-steps", "30"])
+    with open(run / "checkpoints" / "step-0000030" / ckpt.part_name(1), "r+b") as fh:  # rank 1's part
+        fh.truncate(100)
+    proc = hpctrain([*base, "--max-steps", "40"])
+    assert "damaged checkpoint" in proc.stderr
+    assert summary(run)["resumed_from"] == 20
+    logs = [(run / "logs" / f"rank-{r:04d}.log").read_text() for r in range(2)]
+    assert "damaged checkpoint" in logs[0] and "damaged checkpoint" not in logs[1]  # rank 1 never looked
+
+
 def test_resume_against_another_dataset_is_refused(tmp_path: Path, digits2: Path) -> None:
     run = tmp_path / "run"
     hpctrain(["train", "--data", str(digits2), "--run-dir", str(run), "--max-steps", "5"])
