@@ -315,7 +315,8 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
             files = sum(int((sizes[split] > 0).sum()) for split in SPLITS)
             workers = min(read_env().torch_threads() if cfg.workers == 0 else cfg.workers, files)
             if comm.size == 1 and source.reopenable and workers > 1:
-                digests = _write_in_workers(cfg, workers, dtype, chunk_rows, read_rows, tmp, norm, show_progress)
+                digests = _write_in_workers(cfg, source, slot, sizes, workers, dtype, chunk_rows, read_rows, tmp, norm,
+                                            show_progress)
             else:
                 digests = _write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, norm,
                                  (comm.rank, comm.size), show_progress and comm.rank == 0)
@@ -377,10 +378,13 @@ def _statistics(cfg: ShardConfig, source: Source, slot: np.ndarray, read_rows: i
             "offset": offset.astype(np.float32).tolist(), "scale": scale.astype(np.float32).tolist()}
 
 
-def _write_in_workers(cfg: ShardConfig, workers: int, dtype: np.dtype, chunk_rows: int, read_rows: int, tmp: Path,
-                      norm: dict[str, Any] | None, show_progress: bool) -> dict[str, str]:
-    """One process alone writes with `workers` processes, each its share of the files (as K ranks would):
-    HDF5 writes one dataset at a time per process, and the fletcher32 and sha256 passes are CPU-bound."""
+def _write_in_workers(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, np.ndarray], workers: int,
+                      dtype: np.dtype, chunk_rows: int, read_rows: int, tmp: Path, norm: dict[str, Any] | None,
+                      show_progress: bool) -> dict[str, str]:
+    """One process alone writes as `workers` processes, each its share of the files (as K ranks would):
+    HDF5 writes one dataset at a time per process, and the fletcher32 and sha256 passes are CPU-bound.
+    This process writes share 0 with the source it has open while workers - 1 new ones start and write
+    the others."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
@@ -392,9 +396,11 @@ def _write_in_workers(cfg: ShardConfig, workers: int, dtype: np.dtype, chunk_row
         ctx.set_forkserver_preload(["hpctrain.sharding", "h5py"])
     digests: dict[str, str] = {}
     try:
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            jobs = [pool.submit(_write_part, cfg, (w, workers), dtype, chunk_rows, read_rows, tmp, norm,
-                                show_progress and w == 0) for w in range(workers)]
+        with ProcessPoolExecutor(workers - 1, mp_context=ctx) as pool:
+            jobs = [pool.submit(_write_part, cfg, (w, workers), dtype, chunk_rows, read_rows, tmp, norm, False)
+                    for w in range(1, workers)]
+            digests.update(_write(cfg, source, slot, sizes, dtype, chunk_rows, read_rows, tmp, norm, (0, workers),
+                                  show_progress))
             for job in jobs:
                 digests.update(job.result())
     except BrokenProcessPool as exc:
