@@ -371,7 +371,7 @@ class CheckpointManager:
         self._token = comm.bcast(f"{os.getpid()}-{time.time_ns() % 10**12}" if comm.rank == 0 else None)
         self._thread: threading.Thread | None = None  # this rank's writer, or rank 0's completer
         self._pending: dict[str, Any] | None = None  # a save whose parts are being written (same on every rank)
-        self._own: dict[str, Any] = {"digests": {}, "error": None}  # what this rank's last write produced
+        self._own: dict[str, Any] = {"digests": {}, "sizes": {}, "error": None}  # this rank's last write
         self._error: BaseException | None = None  # rank 0: the first failure, reported by wait()
         self._staging = Staging()
         self.stall_seconds = 0.0  # all saves, including synchronous ones (stop, last step) that wait for the write
@@ -438,7 +438,7 @@ class CheckpointManager:
         if self.comm.rank == 0:
             job.update(skeleton=skeleton, ranks=ranks, meta=dict(meta, step=step, parts=self.comm.size))
         self._pending = job
-        self._own = {"digests": {}, "error": None}
+        self._own = {"digests": {}, "sizes": {}, "error": None}
         self._thread = threading.Thread(target=self._write_guarded, args=(job,), name="hpctrain-checkpoint",
                                         daemon=True)
         self._thread.start()
@@ -463,15 +463,16 @@ class CheckpointManager:
             tmp.mkdir(parents=True, exist_ok=True)
             name = part_name(self.comm.rank)
             digests = {name: write_part(tmp / name, job["parts"])}
+            sizes = {name: (tmp / name).stat().st_size}
             if self.comm.rank == 0:
                 if len({r["layout"] for r in job["ranks"]}) > 1:
                     raise CheckpointError("the ranks hold model or optimizer state of different dtypes or shapes; a "
                                           "checkpoint needs the same model and optimizer on every rank")
                 digests[STATE] = _save_hashed(tmp / STATE, job["skeleton"])
                 digests[RANKS] = _save_hashed(tmp / RANKS, [r["state"] for r in job["ranks"]])
-            self._own = {"digests": digests, "error": None}
+            self._own = {"digests": digests, "sizes": sizes, "error": None}
         except BaseException as exc:  # noqa: BLE001 - gathered by rank 0, reported by wait()
-            self._own = {"digests": {}, "error": f"rank {self.comm.rank}: {exc!r}"}
+            self._own = {"digests": {}, "sizes": {}, "error": f"rank {self.comm.rank}: {exc!r}"}
             if self.log:
                 self.log(f"checkpoint write failed: {exc}")
         finally:
@@ -493,13 +494,15 @@ class CheckpointManager:
             shutil.rmtree(job["tmp"], ignore_errors=True)
             return
         digests = {k: v for res in results for k, v in res["digests"].items()}
-        self._thread = threading.Thread(target=self._complete, args=(job, digests), name="hpctrain-checkpoint",
+        sizes = {k: v for res in results for k, v in res["sizes"].items()}
+        self._thread = threading.Thread(target=self._complete, args=(job, digests, sizes), name="hpctrain-checkpoint",
                                         daemon=True)
         self._thread.start()
 
-    def _complete(self, job: dict[str, Any], digests: dict[str, str]) -> None:
+    def _complete(self, job: dict[str, Any], digests: dict[str, str], sizes: dict[str, int]) -> None:
         try:
             tmp = job["tmp"]
+            _await_parts(tmp, sizes)
             _write_bytes(tmp / "meta.json", json.dumps(dict(job["meta"], sha256=digests), indent=2, default=str).encode())
             _write_bytes(tmp / MARKER, b"")
             fsync_dir(tmp)
@@ -542,6 +545,28 @@ class CheckpointManager:
         for junk in [*self.root.glob(".tmp-step-*"), *self.root.glob(".trash-*")]:
             if not junk.name.endswith(f"-{self._token}") and not junk.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(junk, ignore_errors=True)
+
+
+def _await_parts(tmp: Path, sizes: dict[str, int], patience: float = 10.0) -> None:
+    """Every rank's part must be visible here, whole, before the checkpoint is marked complete. A network
+    filesystem may show another node's new file a moment late; a RUN that is not shared by all nodes
+    never shows it, and that would otherwise surface only at the next resume."""
+    deadline = time.monotonic() + patience
+    while True:
+        missing = []
+        for name, size in sorted(sizes.items()):
+            try:
+                if (tmp / name).stat().st_size != size:
+                    missing.append(f"{name} (size differs)")
+            except FileNotFoundError:
+                missing.append(name)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"rank 0 cannot see {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} in {str(tmp)!r}, "
+                f"written by other ranks: put --run-dir on a filesystem that every node shares (not node-local /tmp)")
+        time.sleep(0.2)
 
 
 def _discard(path: Path) -> None:

@@ -107,3 +107,12 @@ def test_a_meta_json_that_lies_about_its_parts_is_refused(tmp_path: Path) -> Non
         meta_file.write_text(json.dumps(dict(meta, parts=parts)))
         with pytest.raises(CheckpointError, match="part files|lists files"):
             ckpt.check(path)
+
+
+def test_parts_another_node_wrote_must_be_visible_before_the_marker(tmp_path: Path) -> None:
+    (tmp_path / "part-00000.bin").write_bytes(b"x" * 10)
+    ckpt._await_parts(tmp_path, {"part-00000.bin": 10}, patience=0.0)  # present and whole: no wait
+    with pytest.raises(CheckpointError, match="part-00001.bin.*every node shares"):
+        ckpt._await_parts(tmp_path, {"part-00000.bin": 10, "part-00001.bin": 5}, patience=0.3)
+    with pytest.raises(CheckpointError, match="size differs"):
+        ckpt._await_parts(tmp_path, {"part-00000.bin": 11}, patience=0.0)
