@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .durable import fsync_dir
+from .durable import fsync_dir, sha256_file
 from .errors import CheckpointError
 
 MARKER = "COMPLETE"
@@ -54,7 +54,6 @@ RANKS = "ranks.pt"
 PART_MAGIC = b"HPCTPRT1"
 _ALIGN = 64
 _REF = "__hpctrain_tensor__"
-_HASH_BLOCK = 16 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -279,14 +278,6 @@ def _save_hashed(path: Path, obj: Any) -> str:
     return writer.sha.hexdigest()
 
 
-def _sha256_file(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(_HASH_BLOCK):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoint directories of a run, newest first (complete or not)."""
     root = Path(run_dir) / "checkpoints"
@@ -318,7 +309,7 @@ def check(path: Path, *, hash_files: bool = True) -> dict[str, Any]:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} lacks {name}")
-        if hash_files and _sha256_file(file) != digest:
+        if hash_files and sha256_file(file) != digest:
             raise CheckpointError(f"checkpoint {str(path)!r}: {name} does not match its checksum (corrupt or truncated)")
     return meta
 

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .durable import sha256_file  # noqa: F401 - also this module's API (verify, tests)
 from .errors import ConfigError, DataError
 from .hdf5env import reader_locking
 
@@ -37,14 +38,6 @@ SPLITS = ("train", "val")
 
 def shard_name(index: int, count: int) -> str:
     return f"shard-{index:05d}-of-{count:05d}.h5"
-
-
-def sha256_file(path: Path, block: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import torch
 
 from hpctrain import checkpoint as ckpt
 from hpctrain.comm import Comm
+from hpctrain.durable import sha256_file
 from hpctrain.errors import CheckpointError
 
 
@@ -33,7 +34,7 @@ def test_part_file_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
     tensors = {0: torch.randn(5, 7), 3: torch.arange(11, dtype=torch.int64), 4: torch.tensor(2.5),
                7: torch.randn(3).to(torch.bfloat16), 8: torch.zeros(0, 4), 9: torch.tensor([True, False, True])}
     digest = ckpt.write_part(tmp_path / "p.bin", tensors)
-    assert digest == ckpt._sha256_file(tmp_path / "p.bin")
+    assert digest == sha256_file(tmp_path / "p.bin")
     back = ckpt.read_part(tmp_path / "p.bin")
     assert set(back) == set(tensors)
     for key, t in tensors.items():
