@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +30,13 @@ import numpy as np
 from .durable import sha256_file  # noqa: F401 - also this module's API (verify, tests)
 from .errors import ConfigError, DataError
 from .hdf5env import reader_locking
+from .threads import join_logged
 
 MANIFEST = "manifest.json"
 FORMAT = "hpctrain-shards"
 VERSION = 1
 SPLITS = ("train", "val")
+JOIN_TIMEOUT_S = 10.0  # how long closing a reader waits for its threads before leaving them (logged)
 
 
 def shard_name(index: int, count: int) -> str:
@@ -220,6 +223,7 @@ class ShardReader:
         self._handles: dict[Path, Any] = {}
         self._datasets: dict[tuple[Path, str], Any] = {}
         self._pid = os.getpid()
+        self._active: weakref.WeakSet[Any] = weakref.WeakSet()  # epochs being read (closed by close())
         self._ring: list[dict[str, np.ndarray]] = []
         self._ring_rows = 0
         self._next = 0
@@ -361,7 +365,7 @@ class ShardReader:
         because a batch can straddle two windows while one more waits in the read-ahead queue and the next
         is being read; batches are copies."""
         if rows > self._ring_rows:
-            self._ring_rows, self._ring = rows, []
+            self._ring_rows, self._ring, self._next = rows, [], 0  # a fresh ring: count from its start
         if len(self._ring) < 4:
             self._ring.append({"x": np.empty((self._ring_rows, *self.shards.x_shape), np.dtype(self.shards.x_dtype)),
                                "y": np.empty(self._ring_rows, np.int64), "index": np.empty(self._ring_rows, np.int64)})
@@ -391,10 +395,16 @@ class ShardReader:
 
     def _batches(self, epoch: int, start_step: int) -> Iterator[Batch]:
         B = self.batch_size
-        pending: deque[list[Any]] = deque()
         stream = self._stream(epoch, start_step * B)
         if self.prefetch > 0:
             stream = _in_background(stream, 1, "hpctrain-read")
+        try:
+            yield from self._gather(epoch, start_step, stream)
+        finally:
+            stream.close()  # stops the read-ahead thread now, not when the garbage collector gets to it
+
+    def _gather(self, epoch: int, start_step: int, stream: Iterator[list[Any]]) -> Iterator[Batch]:
+        pending: deque[list[Any]] = deque()
         empty = Batch(self.shards.normalize(np.empty((0, *self.shards.x_shape), self.shards.x_dtype)),
                       np.empty(0, np.int64), np.empty(0, np.int64))
         for step in range(start_step, self.steps_per_epoch):
@@ -430,9 +440,15 @@ class ShardReader:
         """The batches of `epoch` from `start_step` on, made ahead by a background thread (which itself
         gets its windows from a second one, so reading the next window overlaps gathering batches)."""
         if self.prefetch <= 0:
-            yield from self._batches(epoch, start_step)
-            return
-        yield from _in_background(self._batches(epoch, start_step), self.prefetch, "hpctrain-prefetch")
+            batches = self._batches(epoch, start_step)
+        else:
+            batches = _in_background(self._batches(epoch, start_step), self.prefetch, "hpctrain-prefetch")
+        self._active.add(batches)
+        try:
+            yield from batches
+        finally:
+            batches.close()
+            self._active.discard(batches)
 
     def consumed(self, epoch: int, steps: int) -> np.ndarray:
         """Global ids this rank trained on in the first `steps` steps of `epoch`, as a set (elastic resume)."""
@@ -452,6 +468,14 @@ class ShardReader:
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
     def close(self) -> None:
+        """Stop the epochs still being read (their threads are joined first: nothing reads a closed file),
+        then close the files. Never blocks for long, whatever was consumed."""
+        for batches in list(self._active):
+            try:
+                batches.close()
+            except ValueError:  # running in another thread right now: it stops when that thread closes it
+                pass
+        self._active.clear()
         self._ring = []
         self._datasets.clear()
         for handle in self._handles.values():
@@ -475,33 +499,53 @@ def epoch_remainder(shards: ShardSet, split: str, segments: list[tuple[int, int]
     return done
 
 
-def _in_background(items: Iterator[Any], depth: int, name: str) -> Iterator[Any]:
-    """Iterate `items` in a daemon thread, `depth` items ahead; errors are re-raised here; closing the
-    returned iterator stops the thread."""
+def _in_background(items: Iterator[Any], depth: int, name: str, *, join_timeout: float = JOIN_TIMEOUT_S) -> Iterator[Any]:
+    """Iterate `items` in a thread, `depth` items ahead; errors are re-raised here.
+
+    Closing the returned iterator (at any point: after any number of items, or before the first) stops the
+    thread and joins it: every wait in the thread is bounded and checks the stop event, and the thread
+    closes `items` itself (it is the thread that runs it), so a nested background iterator stops too.
+    A thread still busy after `join_timeout` (a read blocked on a hung filesystem) is logged, not waited for.
+    """
     q: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
     done = object()
 
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(done)
+            put(done)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            q.put(exc)
+            put(exc)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
     thread = threading.Thread(target=produce, name=name, daemon=True)
     thread.start()
     try:
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=1.0)
+            except queue.Empty:
+                if thread.is_alive():
+                    continue
+                try:  # it may have put its last item just before ending
+                    item = q.get_nowait()
+                except queue.Empty:
+                    raise DataError(f"the {name} thread ended without a result; this is a bug, please report it") from None
             if item is done:
                 return
             if isinstance(item, BaseException):
@@ -509,4 +553,5 @@ def _in_background(items: Iterator[Any], depth: int, name: str) -> Iterator[Any]
             yield item
     finally:
         stop.set()
-        thread.join()
+        join_logged(thread, join_timeout, "reading ahead")
+
