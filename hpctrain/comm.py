@@ -17,11 +17,12 @@ import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .errors import CommError, ConfigError
+from .threads import join_logged
 
 _MPI: Any = None
 
@@ -87,18 +88,18 @@ class Comm:
 
     def broadcast_tensors(self, tensors: Iterable[Any], root: int = 0) -> None:
         """Broadcast CPU tensors in place from `root` (parameters and buffers at start-up)."""
+        import torch
+
         if self.size == 1:
             return
         for tensor in tensors:
-            if tensor.is_cuda:
-                host = tensor.detach().cpu()
-                self.mpi.Bcast(host.numpy(), root=root)
-                tensor.data.copy_(host)
-            elif tensor.is_contiguous():
-                self.mpi.Bcast(tensor.detach().numpy(), root=root)
-            else:
-                host = tensor.detach().contiguous()
-                self.mpi.Bcast(host.numpy(), root=root)
+            if not tensor.numel():
+                continue
+            direct = not tensor.is_cuda and tensor.is_contiguous()
+            host = tensor.detach() if direct else tensor.detach().cpu().contiguous()
+            # raw bytes: any dtype, bfloat16 and bool included (numpy has no bfloat16)
+            self.mpi.Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root)
+            if not direct:
                 tensor.data.copy_(host)
 
     def agree(self, error: Exception | None) -> None:
@@ -113,10 +114,12 @@ class Comm:
         if not bad:
             return
         if error is not None:
+            error.agreed = True  # every rank raises now: nobody is left waiting, no abort needed
             raise error
         rank, (text, code) = bad[0]
         exc = HpctrainError(f"rank {rank}: {text}")
         exc.exit_code = code
+        exc.agreed = True
         raise exc
 
     def abort(self, code: int = 1) -> None:
@@ -328,21 +331,27 @@ class GradSync:
         # when both are 1.
         self.prescale = 1.0
         self.postscale = 1.0
+        # Or: a callable giving (prescale, postscale), asked once per step when its first gradient is ready.
+        self.scale_fn: Callable[[], tuple[float, float]] | None = None
+        self._in_round = False
 
     # -- the public step protocol ------------------------------------------------------------------
     def zero(self) -> None:
-        """Zero every bucket (and so every gradient) before the next step; re-attaches lost views."""
+        """Zero every bucket (and so every gradient) before the next step; re-attaches lost views.
+
+        Buckets still on the wire (backward ran, step() did not) are awaited first: zeroing memory that is
+        being reduced would race the reduction, and skipping their collectives would strand other ranks."""
+        if self._in_round and self._launched:
+            self.wait()
+        self._end_round()
         for bucket in self.buckets:
             bucket.flat.zero_()
-            bucket.ready.clear()
-            bucket.done.clear()
             offset = 0
             for p in bucket.params:
                 n = p.numel()
                 if p.grad is None or p.grad.data_ptr() != bucket.flat[offset:].data_ptr():
                     p.grad = bucket.flat[offset : offset + n].view_as(p)
                 offset += n
-        self._launched = 0
 
     def wait(self) -> None:
         """Finish the allreduce of every bucket; afterwards each `.grad` holds the sum over ranks."""
@@ -352,21 +361,30 @@ class GradSync:
             return
         start = time.perf_counter()
         if self.comm.size > 1:
+            with self._lock:
+                self._begin_round()
             if self.overlap:
                 with self._lock:
                     while self._launched < len(self.buckets):
                         self._queue.put(self.buckets[self._launched])
                         self._launched += 1
                 for bucket in self.buckets:
-                    bucket.done.wait()
-                if self._error is not None:
-                    raise CommError(f"gradient allreduce failed: {self._error}") from self._error
+                    while not bucket.done.wait(1.0):  # the thread always sets it; bounded to notice a dead one
+                        if self._thread is None or not self._thread.is_alive():
+                            raise CommError("the communication thread is gone; this is a bug, please report it")
             else:
                 for bucket in self.buckets:
-                    self._allreduce(bucket)
-        elif self.prescale * self.postscale != 1.0:
-            for bucket in self.buckets:
-                bucket.flat.mul_(self.prescale * self.postscale)
+                    self._reduce_guarded(bucket)
+            self._end_round()
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise CommError(f"gradient allreduce failed on rank {self.comm.rank}: {error!r}") from error
+        else:
+            self._begin_round()
+            if self.prescale * self.postscale != 1.0:
+                for bucket in self.buckets:
+                    bucket.flat.mul_(self.prescale * self.postscale)
+            self._end_round()
         self.comm_seconds = time.perf_counter() - start
 
     def close(self) -> None:
@@ -376,15 +394,38 @@ class GradSync:
         self._hooks.clear()
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join()
+            join_logged(self._thread, 30.0, "gradient allreduce")
             self._thread = None
 
     # -- internals ---------------------------------------------------------------------------------
+    def _begin_round(self) -> None:
+        """The first gradient of a step is ready (or wait() came first): fix this round's scaling now, when
+        the caller knows which batch it is (`scale_fn`), not when it zeroed the gradients."""
+        if not self._in_round:
+            self._in_round = True
+            if self.scale_fn is not None:
+                self.prescale, self.postscale = self.scale_fn()
+
+    def _end_round(self) -> None:
+        """Every bucket is reduced: the next backward starts a new round of launches."""
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.done.clear()
+        self._launched = 0
+        self._in_round = False
+
     def _on_grad_ready(self, param: Any) -> None:
         if not self.enabled:
             return
         bucket = self._bucket_of[id(param)]
         with self._lock:
+            self._begin_round()
+            if id(param) in bucket.ready:
+                # Its bucket may be on the wire right now: accumulating into it would race the reduction.
+                raise CommError(
+                    f"a gradient of shape {tuple(param.shape)} became ready twice before its allreduce was awaited: "
+                    "a second backward() ran before step() without no_sync(); run all but the last backward of "
+                    "an accumulation inside `with optimizer.no_sync():` (hpctrain train: --accumulate K)")
             bucket.ready.add(id(param))
             # Launch strictly in bucket order so every rank issues the same sequence of collectives.
             while self._launched < len(self.buckets):
@@ -404,12 +445,19 @@ class GradSync:
             if bucket is None:
                 return
             try:
-                if self._error is None:
-                    self._allreduce(bucket)
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread in wait()
-                self._error = exc
+                self._reduce_guarded(bucket)
             finally:
                 bucket.done.set()
+
+    def _reduce_guarded(self, bucket: _Bucket) -> None:
+        """Reduce `bucket`, keeping the first error for wait() to raise. After an error the remaining
+        buckets are still reduced: every other rank enters their collectives, and a rank that skipped them
+        would leave the others waiting forever."""
+        try:
+            self._allreduce(bucket)
+        except BaseException as exc:  # noqa: BLE001 - raised by wait() in the caller's thread
+            if self._error is None:
+                self._error = exc
 
     def _cuda_aware_confirmed(self) -> bool:
         """The MPI says it is CUDA-aware and one small GPU allreduce at start-up gives the right sum."""

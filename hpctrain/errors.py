@@ -9,9 +9,15 @@ from __future__ import annotations
 
 
 class HpctrainError(Exception):
-    """Base of every error hpctrain raises on purpose."""
+    """Base of every error hpctrain raises on purpose.
+
+    `agreed` is True when every rank of the job raises this error together (after `Comm.agree` or a
+    broadcast failure): the ranks can simply exit. An error that is not agreed happened on one rank alone,
+    while the others go on into the next collective; in a job of several ranks that rank must end the whole
+    job (MPI_Abort) or the others wait forever."""
 
     exit_code = 1
+    agreed = False
 
 
 class ConfigError(HpctrainError):
