@@ -4,7 +4,8 @@ Adds the run-as-root variables when root, `--oversubscribe` when N exceeds the c
 (ranks size their own thread pools), and runs hpctrain subcommands with this interpreter. mpirun runs in
 its own session, so a Ctrl-C in the terminal reaches only the launcher; the first SIGINT or SIGTERM is
 turned into SIGUSR2 for mpirun, which forwards it to every rank (SIGTERM to mpirun would kill the ranks
-before they can checkpoint). A second one stops the job hard. The exit code is the job's.
+before they can checkpoint). A second one, or a job still running `--grace` seconds later, is ended hard,
+so a stop always ends the job, within grace + 5 s. The exit code is the job's.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 from .errors import ConfigError, HpctrainError
 
 # hpctrain subcommands: a COMMAND starting with one of these runs as `python -m hpctrain ...`.
 SUBCOMMANDS = ("train", "shard", "verify", "doctor", "bench", "report")
+GRACE_S = 20.0  # after a stop signal, how long the ranks have to checkpoint and exit before the job is ended
+KILL_AFTER_S = 5.0  # after SIGTERM to mpirun, how long before everything left is killed
 
 
 def build_command(n: int, command: Sequence[str], *, mpirun: str, cpus: int, is_root: bool,
@@ -54,8 +58,13 @@ def find_mpirun() -> str:
     )
 
 
-def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = ()) -> int:
-    """Run `command` on `n` local ranks and return the job's exit code."""
+def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: float = GRACE_S) -> int:
+    """Run `command` on `n` local ranks and return the job's exit code.
+
+    The first SIGINT/SIGTERM/SIGUSR2 asks every rank to stop at its next step boundary (SIGUSR2 to mpirun,
+    which forwards it). A job that has not ended `grace` seconds later, or a second signal, ends it now:
+    SIGTERM to mpirun (which kills the ranks), and KILL_AFTER_S later SIGKILL to mpirun and every process
+    under it. So a stop always ends the job, even one whose ranks hang."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover
@@ -63,23 +72,72 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = ()) -> int:
     argv, env = build_command(n, command, mpirun=find_mpirun(), cpus=cpus, is_root=os.geteuid() == 0, extra=extra)
     proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
     stops = 0
+    deadline: float | None = None  # when the job is ended hard
+    hard = False
 
     def forward(signum: int, frame: object) -> None:
-        nonlocal stops
+        nonlocal stops, deadline
         stops += 1
-        try:
-            # First: a graceful stop every rank can act on. Second: stop now.
-            os.kill(proc.pid, signal.SIGUSR2 if stops == 1 else signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        if stops == 1:
+            _send(proc.pid, signal.SIGUSR2)
+            deadline = time.monotonic() + grace
+        else:
+            deadline = time.monotonic()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
     try:
         while True:
             try:
-                return proc.wait()
-            except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-                continue
+                code = proc.wait(timeout=0.2)
+                return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                if not hard:
+                    print(f"hpctrain launch: the job did not stop within {grace:g} s of the stop signal (or a "
+                          "second signal came); ending it now", file=sys.stderr, flush=True)
+                    _send(proc.pid, signal.SIGTERM)
+                    hard, deadline = True, time.monotonic() + KILL_AFTER_S
+                else:
+                    kill_tree(proc.pid)
+                    deadline = None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if proc.poll() is None:  # the launcher itself failed: leave nothing running
+            kill_tree(proc.pid)
+            proc.wait(timeout=KILL_AFTER_S)
+
+
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children, grandchildren, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything under it (mpirun's ranks do not always share its process group)."""
+    for victim in [pid, *descendants(pid)]:
+        _send(victim, signal.SIGKILL)

@@ -13,6 +13,7 @@ from .common import handle_errors
 def launch(
     command: Annotated[list[str], typer.Argument(help="An hpctrain subcommand (train ...) or any program.")],
     n: Annotated[int, typer.Option("-n", "--np", help="Number of ranks.")] = 2,
+    grace: Annotated[float, typer.Option(help="Seconds the ranks get to checkpoint and exit after a stop signal before the job is ended hard.")] = 20.0,
 ) -> None:
     """Run COMMAND on N local ranks through mpirun (root, oversubscription and signals handled).
 
@@ -20,4 +21,4 @@ def launch(
     """
     from ..launch import launch as run
 
-    raise typer.Exit(run(n, command))
+    raise typer.Exit(run(n, command, grace=grace))

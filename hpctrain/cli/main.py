@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
+from ..stop import FLAG
 from . import bench, container, doctor, launch, report, shard, submit, train
 
 app = typer.Typer(
@@ -26,4 +29,6 @@ app.add_typer(bench.app, name="bench")
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["train"]:  # a stop during start-up is kept for the first step boundary
+        FLAG.install()
     app(prog_name="hpctrain")
