@@ -24,7 +24,6 @@ checkpoints, signal-driven stops and exact resume to such a loop.
 from __future__ import annotations
 
 import contextlib
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,6 +33,7 @@ from .comm import Comm, GradSync, world
 from .data import ShardReader, load_manifest
 from .env import RankEnv, read_env, select_device
 from .errors import ConfigError
+from .stop import FLAG as STOP
 
 _CONTEXT: "Context | None" = None
 
@@ -100,23 +100,32 @@ class DistributedOptimizer:
         self.sync = GradSync(model.parameters(), ctx.comm, bucket_mb=bucket_mb, overlap=overlap,
                              compress=compress, hierarchical=hierarchical, deterministic=deterministic)
         self.world_size = ctx.world_size
-        self.sync.postscale = 1.0 / ctx.world_size
+        self._loss_scaled = False
+        # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs
+        # to has been handed out, whether zero_grad() ran before backward or after the previous step().
+        self.sync.scale_fn = self._scales
         self.param_groups = optimizer.param_groups
 
     def _weight(self) -> float:
-        """This rank's share of the step's mean: 1 / world size, or its share of the samples (loader)."""
+        """This rank's share of the step's mean: 1 / world size, or its share of the samples of the batch
+        the loader handed out last (the one being trained on)."""
         return self.loader.rank_weight() if self.loader is not None else 1.0 / self.world_size
+
+    def _scales(self) -> tuple[float, float]:
+        """(prescale, postscale) of this step's reduction: the mean over ranks costs one in-place pass over
+        the gradients, inside the reduction, unless scale_loss() put it into the loss."""
+        if self._loss_scaled:
+            return 1.0, 1.0
+        return (self.loader.rank_weight(), 1.0) if self.loader is not None else (1.0, 1.0 / self.world_size)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.sync.zero()
-        # The mean over ranks costs one in-place pass over the gradients, inside the reduction...
-        self.sync.prescale, self.sync.postscale = (self.loader.rank_weight(), 1.0) if self.loader else (1.0, 1.0 / self.world_size)
 
     def scale_loss(self, loss: Any) -> Any:
-        """...unless the loss carries it: `opt.scale_loss(loss).backward()` multiplies the loss by this rank's
-        weight, so the summed gradients already are the mean and no pass over gradient memory is needed
-        (what `hpctrain train` does). Call it after `zero_grad()`, before backward."""
-        self.sync.prescale = self.sync.postscale = 1.0
+        """`opt.scale_loss(loss).backward()` multiplies the loss by this rank's weight, so the summed gradients
+        already are the mean and no pass over gradient memory is needed (what `hpctrain train` does). Call it
+        before backward, in every step."""
+        self._loss_scaled = True
         return loss * self._weight()
 
     @contextlib.contextmanager
@@ -136,6 +145,7 @@ class DistributedOptimizer:
         if not getattr(self, "_synced", False):
             self.sync.wait()
         self._synced = False
+        self._loss_scaled = False  # the next step says again whether its loss carries the weight
         return self.optimizer.step(closure)
 
     def state_dict(self) -> dict:
@@ -169,6 +179,7 @@ class ShardLoader:
         self.world = ctx.world_size
         self.epoch = 0
         self.step = 0
+        self.current: int | None = None  # the step of the batch handed out last (the one being trained on)
         self.drop_empty = drop_empty
 
     def __len__(self) -> int:
@@ -179,8 +190,10 @@ class ShardLoader:
             self.epoch, self.step = epoch, 0
 
     def rank_weight(self) -> float:
-        """This rank's share of the current step's samples (1 / world size when batches are even)."""
-        sizes = self.reader.step_sizes(min(self.step, max(0, len(self) - 1)))
+        """This rank's share of the samples of the step whose batch was handed out last (1 / world size
+        when batches are even)."""
+        step = self.current if self.current is not None else self.step
+        sizes = self.reader.step_sizes(min(step, max(0, len(self) - 1)))
         return float(sizes[self.rank]) / float(max(1, sizes.sum()))
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
@@ -192,6 +205,7 @@ class ShardLoader:
             if x.dtype != torch.float32:
                 x = x.float()
             y = torch.from_numpy(batch.y).to(self.device, non_blocking=True)
+            self.current = self.step
             yield x, y
             self.step += 1
         self.epoch, self.step = self.epoch + 1, 0
@@ -221,16 +235,7 @@ class Checkpointer:
         ctx = init()
         self.run_dir = Path(run_dir)
         self.manager = ckpt.CheckpointManager(self.run_dir, ctx.comm, every=every, keep=keep)
-        self._stop: int | None = None
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR2):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                break
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self._stop = signum
+        self._installed = STOP.install()  # SIGTERM/SIGUSR2 set the flag (not in the main thread: left alone)
 
     def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None) -> dict[str, Any]:
         from .trainer import _rng_state
@@ -265,13 +270,13 @@ class Checkpointer:
         """Call at every step boundary on every rank; returns True when the loop must stop (a checkpoint of
         this step has been written)."""
         return self.manager.save(step, lambda: self._state(step, model, optimizer, loader),
-                                 stop_requested=self._stop is not None)
+                                 stop_requested=STOP.requested)
 
     def close(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> None:
         """Write the final checkpoint and restore the signal handlers."""
         self.manager.save(step, lambda: self._state(step, model, optimizer, loader), final=True)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        if self._installed:
+            STOP.restore()
 
 
 def param_hash(model: Any) -> str:

@@ -348,7 +348,7 @@ class CheckpointManager:
     every rank (constructing it is collective too)."""
 
     def __init__(self, run_dir: Path, comm: Any, *, every: int | str = 0, keep: int = 2, asynchronous: bool = True,
-                 mtbf_hours: float = 24.0, log: Any = None):
+                 mtbf_hours: float = 24.0, log: Any = None, on_write: Any = None):
         if keep < 2:
             raise CheckpointError(f"keep {keep} must be at least 2")
         self.root = Path(run_dir) / "checkpoints"
@@ -357,6 +357,9 @@ class CheckpointManager:
         self.keep = keep
         self.asynchronous = asynchronous
         self.log = log
+        # called before each wait on the writing of parts (this rank's, then every rank's): the trainer
+        # gives such waits the checkpoint budget of its watchdog instead of the collective one
+        self.on_write = on_write or (lambda: None)
         self.last_saved: int | None = None
         # one name for this job's temporary directories, the same on every rank
         self._token = comm.bcast(f"{os.getpid()}-{time.time_ns() % 10**12}" if comm.rank == 0 else None)
@@ -405,6 +408,7 @@ class CheckpointManager:
         stopping, due, writing = self.comm.allreduce_array(
             [stop_requested, self.comm.rank == 0 and self.due(step), writing], op="max")
         if self._pending is not None and not writing:
+            self.on_write()
             self._finish()
         if stopping or due or final:
             self._save(step, **(state() if callable(state) else state), wait=bool(stopping or final))
@@ -417,6 +421,7 @@ class CheckpointManager:
                 self.wait()
             return
         start = time.perf_counter()
+        self.on_write()
         if self._pending is not None:  # the previous save is still being written: it finishes first
             self._finish()
         self._join()
@@ -513,15 +518,20 @@ class CheckpointManager:
             self.log(f"checkpoint write failed: {exc}")
 
     def wait(self) -> None:
-        """Block until the last save is on disk (collective), raising its error if it failed."""
+        """Block until the last save is on disk (collective), raising its error if it failed (on every rank)."""
+        self.on_write()
         if self._pending is not None:
             self._finish()
         self._join()
         failed = self.comm.bcast(repr(self._error) if self._error is not None else None, root=0)
         if failed:
-            raise CheckpointError(f"writing a checkpoint failed: {failed}")
+            error = CheckpointError(f"writing a checkpoint failed: {failed}")
+            error.agreed = True  # rank 0 told every rank
+            raise error
 
     def _join(self) -> None:
+        # No timeout here: a write to a slow filesystem may rightly take long. The trainer's watchdog gives
+        # every such wait its checkpoint budget (on_write) and ends the job past it.
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -149,6 +149,9 @@ class TrainConfig:
     collective_timeout: float = 300.0
     """Abort the job when a collective waits longer than this many seconds (0: never), saying which ranks
     it waits for."""
+    checkpoint_timeout: float = 1800.0
+    """Abort the job when a checkpoint write, with the wait for every rank's part, takes longer than this
+    many seconds (0: never); a slow parallel filesystem needs more than a collective does."""
     tensorboard: bool = False
     """Also write TensorBoard event files to RUN/tensorboard (needs the tensorboard package)."""
     log_every: int = 10
@@ -176,6 +179,7 @@ class TrainConfig:
                 raise ConfigError(f"--checkpoint-every {self.checkpoint_every!r} must be auto or a whole number of steps (0: none)") from None
         _positive("--mtbf-hours", self.mtbf_hours, "24")
         _non_negative("--collective-timeout", self.collective_timeout, "300")
+        _non_negative("--checkpoint-timeout", self.checkpoint_timeout, "1800")
         checked = [("--max-steps", self.max_steps)]
         if self.checkpoint_every != "auto":
             checked.append(("--checkpoint-every", self.checkpoint_every))

@@ -9,6 +9,7 @@ metrics.jsonl, summary.json and model.pt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -33,15 +34,17 @@ from .env import RankEnv, read_env, select_device
 from .errors import CheckpointError, ConfigError, HpctrainError
 from .models import build_model
 from .progress import Progress
-from .watchdog import make as make_watchdog
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+from .stop import FLAG as STOP
+from .stop import STOP_EXIT
+from .watchdog import Watchdog
 
 
 class StopRequested(HpctrainError):
-    """The run was asked to stop (SIGTERM/SIGUSR2) and wrote a checkpoint; resume with --resume auto."""
+    """The run was asked to stop (SIGTERM/SIGUSR2) and wrote a checkpoint; resume with --resume auto.
+    Every rank raises it together (they agreed to stop at the same step)."""
 
-    exit_code = 3
+    exit_code = STOP_EXIT
+    agreed = True
 
 
 def param_sha256(model: Any) -> str:
@@ -146,29 +149,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class _StopFlag:
-    """Signal handlers only set this flag; the ranks agree on it at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for sig in STOP_SIGNALS:
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (library use); signals stay with the caller
-                return
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-
 def _setup_logging(run_dir: Path, rank: int) -> logging.Logger:
     log = logging.getLogger(f"hpctrain.rank{rank}")
     log.setLevel(logging.INFO)
@@ -181,6 +161,12 @@ def _setup_logging(run_dir: Path, rank: int) -> logging.Logger:
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s"))
     log.addHandler(handler)
     return log
+
+
+def _close_logging(log: logging.Logger) -> None:
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
 
 
 def _resolve_resume(cfg: TrainConfig, warn: Any) -> Path | None:
@@ -232,9 +218,10 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     """
     comm = comm or world()
     try:
-        return _train(cfg, comm, env or read_env())
-    except HpctrainError:
-        raise
+        with contextlib.ExitStack() as stack:  # every thread, file and handler is undone here, on any exit
+            return _train(cfg, comm, env or read_env(), stack)
+    except HpctrainError as exc:
+        error = exc
     except Exception as exc:
         log_path = cfg.run_dir / "logs" / f"rank-{comm.rank:04d}.log"
         if log_path.parent.is_dir():
@@ -242,13 +229,34 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
             where = f"traceback in {log_path}"
         else:
             where = "before the run directory was created"
-        raise HpctrainError(f"rank {comm.rank}: {type(exc).__name__}: {exc} ({where})") from exc
+        error = HpctrainError(f"rank {comm.rank}: {type(exc).__name__}: {exc} ({where})")
+        error.__cause__ = exc
+    if comm.size > 1 and not error.agreed:
+        _end_job(comm, error)
+    raise error
 
 
-def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
+def _end_job(comm: Comm, error: HpctrainError) -> None:
+    """This rank failed alone (a corrupt chunk in its shard, a failed allreduce, a full disk): the others
+    are already on their way into the next collective and would wait for it forever. Say why here, on
+    this rank's stderr and log, then end every rank of the job (MPI_Abort) with the error's exit code."""
+    text = str(error).replace("\n", " ")
+    if not text.startswith(f"rank {comm.rank}"):
+        text = f"rank {comm.rank}: {text}"
+    logging.getLogger(f"hpctrain.rank{comm.rank}").error("%s; ending the job", text)
+    print(f"error: {text}; ending the job (the other ranks would wait for this one)", file=sys.stderr, flush=True)
+    comm.abort(error.exit_code)
+
+
+def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitStack) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(env.torch_threads())
+    if STOP.install():  # the CLI installed it at process start; library callers get it here
+        stack.callback(STOP.restore)
+    # every wait on other ranks from here on is watched; heartbeat files once the run directory exists
+    watchdog = stack.enter_context(Watchdog(None, comm.rank, comm.size, timeout=cfg.collective_timeout,
+                                            abort=comm.abort).start())
 
     # -- check everything before anything is written --------------------------------------------------
     error: HpctrainError | None = None
@@ -274,12 +282,16 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
             resume_path = _resolve_resume(cfg, warnings.append)
     except HpctrainError as exc:
         error = exc
+    watchdog.phase("start-up checks (rank 0 verifies the checkpoint)", 0, budget=cfg.checkpoint_timeout)
     comm.agree(error)
     assert shards is not None and model is not None
     resume_path = comm.bcast(resume_path)
+    watchdog.idle()
 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     log = _setup_logging(cfg.run_dir, comm.rank)
+    stack.callback(_close_logging, log)
+    watchdog.attach(cfg.run_dir, log.error)
     for w in warnings:
         log.warning(w)
         if comm.rank == 0:
@@ -296,17 +308,21 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
             model.load_state_dict(torch.load(cfg.init_weights, map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = ConfigError(f"--init-weights {str(cfg.init_weights)!r} does not fit model {cfg.model!r}: {exc}")
+    watchdog.phase("start-up broadcast of the model", 0)
     comm.agree(error if comm.rank == 0 else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         model.to(device)
     comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
+    watchdog.idle()
     torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
 
     # -- where to start: fresh, or a checkpoint (maybe written on another world size, mid-epoch) ------
     step, start_epoch, start_in_epoch, resumed_from = 0, 0, 0, None
     prior: list[tuple[int, int]] = []  # (world size, steps) of this epoch's earlier segments
+    watchdog.phase("loading the checkpoint", 0, budget=cfg.checkpoint_timeout)
     state = _load_checkpoint(resume_path, comm, verified=True) if resume_path is not None else None
+    watchdog.idle()
     meta = state["meta"] if state is not None else None
     if meta is not None:
         if meta["data_fingerprint"] != shards.fingerprint:
@@ -325,16 +341,20 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
     batch = cfg.batch_size * cfg.accumulate
     reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle,
                          seed=cfg.seed)
+    stack.callback(reader.close)
     first_reader = reader
     if prior:
         done = epoch_remainder(shards, "train", prior, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
                                epoch=start_epoch)
         first_reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch,
                                    shuffle=cfg.shuffle, seed=cfg.seed, exclude=done, segment=len(prior))
+        stack.callback(first_reader.close)
         log.info("elastic resume: %d samples of epoch %d done on %s; %d left for %d ranks", len(done), start_epoch,
                  prior, int(first_reader.counts.sum()), comm.size)
     val_reader = (ShardReader(shards, "val", rank=comm.rank, world=comm.size, batch_size=max(cfg.batch_size, 256),
                               shuffle=False, prefetch=0) if "val" in shards.splits else None)
+    if val_reader is not None:
+        stack.callback(val_reader.close)
     steps_per_epoch = reader.steps_per_epoch
     if start_epoch < cfg.epochs:
         total_steps = (step + first_reader.steps_per_epoch - start_in_epoch
@@ -348,12 +368,17 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
     sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.compress,
                     hierarchical=cfg.hierarchical, deterministic=cfg.deterministic)
+    stack.callback(sync.close)
     for note in sync.notes:
         log.warning(note)
     log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s", len(sync.buckets), cfg.bucket_mb,
              sync.overlap, cfg.compress)
+    watchdog.phase("start-up: checkpoint manager", step)
     manager = ckpt.CheckpointManager(cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep,
-                                     mtbf_hours=cfg.mtbf_hours, log=log.error)
+                                     mtbf_hours=cfg.mtbf_hours, log=log.error,
+                                     on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)",
+                                                                     step, budget=cfg.checkpoint_timeout))
+    watchdog.idle()
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
     metrics_path = cfg.run_dir / "metrics.jsonl"
@@ -362,7 +387,13 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
     timing_path = cfg.run_dir / "logs" / f"rank-{comm.rank:04d}.jsonl"
     audit_frozen: dict[str, int] = {}  # audit files of ranks beyond this world size (earlier segments)
     if state is not None:
-        for change in _config_changes(meta.get("config", {}), cfg.to_dict()):
+        changes = _config_changes(meta.get("config", {}), cfg.to_dict())
+        planned = meta.get("schedule_steps")
+        if cfg.schedule != "constant" and planned is not None and int(planned) != total_steps:
+            changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
+                           f"{total_steps} (--epochs, --max-steps or the world size changed): from step {step} on, "
+                           "the learning rate follows the new plan")
+        for change in changes:
             log.warning("config changed since the checkpoint: %s", change)
             if comm.rank == 0:
                 print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
@@ -396,22 +427,25 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
         audit_dir.mkdir(parents=True, exist_ok=True)
         if resumed_from is None and audit_path.exists():
             audit_path.unlink()
+    watchdog.phase("start-up barrier", step)
     comm.barrier()
+    watchdog.idle()
 
-    stop = _StopFlag()
-    stop.install()
-    watchdog = make_watchdog(cfg.run_dir, comm, cfg.collective_timeout, log.error)
-    metrics = open(metrics_path, "a") if comm.rank == 0 else None
+    metrics = stack.enter_context(open(metrics_path, "a")) if comm.rank == 0 else None
     tb = None
     if cfg.tensorboard and comm.rank == 0:
         from torch.utils.tensorboard import SummaryWriter
 
         tb = SummaryWriter(str(cfg.run_dir / "tensorboard"), purge_step=step or None)
-    timing = open(timing_path, "a")  # this rank's own step timing: RUN/logs/rank-NNNN.jsonl
-    audit = open(audit_path, "a") if cfg.audit_samples else None
-    audit_lines = sum(1 for _ in open(audit_path)) if audit is not None and audit_path.exists() else 0
+        stack.callback(tb.close)
+    timing = stack.enter_context(open(timing_path, "a"))  # this rank's own step timing: RUN/logs/rank-NNNN.jsonl
+    audit_lines = 0
+    if cfg.audit_samples and audit_path.exists():
+        with open(audit_path, "rb") as fh:
+            audit_lines = sum(1 for _ in fh)
+    audit = stack.enter_context(open(audit_path, "a")) if cfg.audit_samples else None
     interactive = comm.rank == 0 and cfg.progress and not cfg.json and sys.stderr.isatty()
-    bar = Progress(total_steps, "train", enabled=interactive, unit="steps")
+    bar = stack.enter_context(Progress(total_steps, "train", enabled=interactive, unit="steps"))
     bar.update(step)
     window = {"loss": 0.0, "n": 0.0, "t": time.perf_counter(), "step_s": 0.0, "comm_s": 0.0, "data_s": 0.0, "steps": 0}
     last_val: dict[str, float] = {}
@@ -428,118 +462,106 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
             train_state={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
             rank_state={"rng": _rng_state(), "audit_lines": audit_lines},
             meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": comm.size, "segments": segments,
-                  "audit_frozen": audit_frozen, "data_fingerprint": shards.fingerprint, "config": cfg.to_dict()},
+                  "audit_frozen": audit_frozen, "data_fingerprint": shards.fingerprint, "config": cfg.to_dict(),
+                  "schedule_steps": total_steps},
         )
 
-    try:
-        epoch = start_epoch
-        while step < total_steps:
-            model.train()
-            first = start_in_epoch if epoch == start_epoch else 0
-            r = first_reader if epoch == start_epoch else reader
-            done_before = prior if epoch == start_epoch else []
-            batches = r.epoch(epoch, first)
-            in_epoch = first
-            t_data = time.perf_counter()
-            for batch in batches:
-                t0 = time.perf_counter()
-                data_s = t0 - t_data
-                sizes = r.step_sizes(in_epoch)
-                global_n = int(sizes.sum())
-                n_local = len(batch.y)
-                watchdog.phase("gradient allreduce", step + 1)
-                loss_value = train_step(model, sync, optimizer, loss_fn, batch.x, batch.y, global_n,
-                                        clip_grad=cfg.clip_grad, device=device, accumulate=cfg.accumulate)
-                scheduler.step()
-                step += 1
-                in_epoch += 1
-                samples_seen += global_n
-                if audit is not None and n_local:
-                    np.savetxt(audit, np.column_stack([np.full(n_local, epoch), batch.index]), fmt="%d")
-                    audit_lines += n_local
-                t1 = time.perf_counter()
-                window["loss"] += loss_value
-                window["n"] += n_local
-                window["step_s"] += t1 - t0
-                window["comm_s"] += sync.comm_seconds
-                window["data_s"] += data_s
-                window["steps"] += 1
-                epoch_loss["sum"] += loss_value
-                epoch_loss["n"] += n_local
-                end_of_epoch = in_epoch == r.steps_per_epoch
-                last = step >= total_steps
-                if step % cfg.log_every == 0 or end_of_epoch or last:
-                    watchdog.phase("metrics reduction", step)
-                    loss_tot, n_tot = comm.allreduce_array([window["loss"], window["n"]])
-                    elapsed = time.perf_counter() - window["t"]
-                    record = {
-                        "step": step, "epoch": epoch, "loss": loss_tot / max(1.0, n_tot),
-                        "lr": scheduler.get_last_lr()[0],
-                        "samples_per_s": n_tot / max(elapsed, 1e-9),
-                        "step_ms": 1000 * window["step_s"] / window["steps"],
-                        "comm_ms": 1000 * window["comm_s"] / window["steps"],
-                        "data_ms": 1000 * window["data_s"] / window["steps"],
-                    }
-                    timing.write(json.dumps({
-                        "step": step, "epoch": epoch, "rank": comm.rank, "step_ms": record["step_ms"],
-                        "compute_ms": record["step_ms"] - record["comm_ms"], "comm_ms": record["comm_ms"],
-                        "data_ms": record["data_ms"], "samples": int(window["n"])}) + "\n")
-                    timing.flush()
-                    if end_of_epoch and val_reader is not None:
-                        watchdog.phase("validation", step)
-                        last_val = evaluate(model, val_reader, comm)
-                        record.update(last_val)
-                    if end_of_epoch:
-                        e_loss, e_n = comm.allreduce_array([epoch_loss["sum"], epoch_loss["n"]])
-                        record["epoch_train_loss"] = e_loss / max(1.0, e_n)
-                        epoch_loss = {"sum": 0.0, "n": 0.0}
-                    if metrics is not None:
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
-                    log.info("step %d epoch %d loss %.4f %s", step, epoch, record["loss"],
-                             " ".join(f"{k} {v:.4f}" for k, v in last_val.items()) if end_of_epoch else "")
-                    if tb is not None:
-                        for key, value in record.items():
-                            if key not in ("step", "epoch"):
-                                tb.add_scalar(key, value, step)
-                    if comm.rank == 0 and not interactive and not cfg.json:  # Slurm logs: a plain line per --log-every
-                        val = f"  val_loss {last_val['val_loss']:.4f}  val_accuracy {last_val['val_accuracy']:.4f}" if end_of_epoch and last_val else ""
-                        print(f"epoch {epoch} step {step}/{total_steps}  loss {record['loss']:.4f}{val}  "
-                              f"{record['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
-                    window = {"loss": 0.0, "n": 0.0, "t": time.perf_counter(), "step_s": 0.0, "comm_s": 0.0,
-                              "data_s": 0.0, "steps": 0}
-                bar.update(1, loss=f"{loss_value / max(1, n_local):.4f}", epoch=epoch)
-                position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (comm.size, in_epoch)])
-                watchdog.phase("stop/checkpoint agreement", step)
-                if manager.save(step, lambda: state_for(*position), stop_requested=stop.signum is not None,
-                                final=last):
-                    stop_signal = stop.signum or signal.SIGTERM
-                    break
+    epoch = start_epoch
+    while step < total_steps:
+        model.train()
+        first = start_in_epoch if epoch == start_epoch else 0
+        r = first_reader if epoch == start_epoch else reader
+        done_before = prior if epoch == start_epoch else []
+        batches = r.epoch(epoch, first)
+        in_epoch = first
+        t_data = time.perf_counter()
+        for batch in batches:
+            t0 = time.perf_counter()
+            data_s = t0 - t_data
+            sizes = r.step_sizes(in_epoch)
+            global_n = int(sizes.sum())
+            n_local = len(batch.y)
+            watchdog.phase("gradient allreduce", step + 1)
+            loss_value = train_step(model, sync, optimizer, loss_fn, batch.x, batch.y, global_n,
+                                    clip_grad=cfg.clip_grad, device=device, accumulate=cfg.accumulate)
+            watchdog.idle()
+            scheduler.step()
+            step += 1
+            in_epoch += 1
+            samples_seen += global_n
+            if audit is not None and n_local:
+                np.savetxt(audit, np.column_stack([np.full(n_local, epoch), batch.index]), fmt="%d")
+                audit_lines += n_local
+            t1 = time.perf_counter()
+            window["loss"] += loss_value
+            window["n"] += n_local
+            window["step_s"] += t1 - t0
+            window["comm_s"] += sync.comm_seconds
+            window["data_s"] += data_s
+            window["steps"] += 1
+            epoch_loss["sum"] += loss_value
+            epoch_loss["n"] += n_local
+            end_of_epoch = in_epoch == r.steps_per_epoch
+            last = step >= total_steps
+            if step % cfg.log_every == 0 or end_of_epoch or last:
+                watchdog.phase("metrics reduction", step)
+                loss_tot, n_tot = comm.allreduce_array([window["loss"], window["n"]])
                 watchdog.idle()
-                t_data = time.perf_counter()
-                if last:
-                    break
-            batches.close()
-            if stop_signal is not None:
+                elapsed = time.perf_counter() - window["t"]
+                record = {
+                    "step": step, "epoch": epoch, "loss": loss_tot / max(1.0, n_tot),
+                    "lr": scheduler.get_last_lr()[0],
+                    "samples_per_s": n_tot / max(elapsed, 1e-9),
+                    "step_ms": 1000 * window["step_s"] / window["steps"],
+                    "comm_ms": 1000 * window["comm_s"] / window["steps"],
+                    "data_ms": 1000 * window["data_s"] / window["steps"],
+                }
+                timing.write(json.dumps({
+                    "step": step, "epoch": epoch, "rank": comm.rank, "step_ms": record["step_ms"],
+                    "compute_ms": record["step_ms"] - record["comm_ms"], "comm_ms": record["comm_ms"],
+                    "data_ms": record["data_ms"], "samples": int(window["n"])}) + "\n")
+                timing.flush()
+                if end_of_epoch and val_reader is not None:
+                    last_val = evaluate(model, val_reader, comm, watchdog=watchdog, step=step)
+                    record.update(last_val)
+                if end_of_epoch:
+                    watchdog.phase("epoch loss reduction", step)
+                    e_loss, e_n = comm.allreduce_array([epoch_loss["sum"], epoch_loss["n"]])
+                    watchdog.idle()
+                    record["epoch_train_loss"] = e_loss / max(1.0, e_n)
+                    epoch_loss = {"sum": 0.0, "n": 0.0}
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                log.info("step %d epoch %d loss %.4f %s", step, epoch, record["loss"],
+                         " ".join(f"{k} {v:.4f}" for k, v in last_val.items()) if end_of_epoch else "")
+                if tb is not None:
+                    for key, value in record.items():
+                        if key not in ("step", "epoch"):
+                            tb.add_scalar(key, value, step)
+                if comm.rank == 0 and not interactive and not cfg.json:  # Slurm logs: a plain line per --log-every
+                    val = f"  val_loss {last_val['val_loss']:.4f}  val_accuracy {last_val['val_accuracy']:.4f}" if end_of_epoch and last_val else ""
+                    print(f"epoch {epoch} step {step}/{total_steps}  loss {record['loss']:.4f}{val}  "
+                          f"{record['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
+                window = {"loss": 0.0, "n": 0.0, "t": time.perf_counter(), "step_s": 0.0, "comm_s": 0.0,
+                          "data_s": 0.0, "steps": 0}
+            bar.update(1, loss=f"{loss_value / max(1, n_local):.4f}", epoch=epoch)
+            position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (comm.size, in_epoch)])
+            watchdog.phase("stop/checkpoint agreement", step)
+            if manager.save(step, lambda: state_for(*position), stop_requested=STOP.requested, final=last):
+                stop_signal = STOP.signum or signal.SIGTERM
+                watchdog.idle()
                 break
-            epoch += 1
-        manager.wait()
-    finally:
-        watchdog.close()
-        bar.close()
-        stop.restore()
-        sync.close()
-        reader.close()
-        first_reader.close()
-        if val_reader is not None:
-            val_reader.close()
-        if metrics is not None:
-            metrics.close()
-        if tb is not None:
-            tb.close()
-        timing.close()
-        if audit is not None:
-            audit.close()
+            watchdog.idle()
+            t_data = time.perf_counter()
+            if last:
+                break
+        batches.close()
+        if stop_signal is not None:
+            break
+        epoch += 1
+    manager.wait()
+    watchdog.idle()
     if stop_signal is not None:
         name = signal.Signals(stop_signal).name
         log.warning("stopped by %s at step %d; checkpoint written", name, step)
@@ -548,11 +570,13 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
 
     train_time = time.perf_counter() - train_start
     if not last_val and val_reader is not None:
-        last_val = evaluate(model, val_reader, comm)
+        last_val = evaluate(model, val_reader, comm, watchdog=watchdog, step=step)
     digest = param_sha256(model)
+    watchdog.phase("summary reductions", step)
     hashes = comm.allgather(digest)
     e_loss, e_n = comm.allreduce_array([epoch_loss["sum"], epoch_loss["n"]])
     final_loss = _last_train_loss(metrics_path, comm) if e_n == 0 else e_loss / e_n
+    watchdog.idle()
     summary = {
         "world_size": comm.size,
         "epochs": math.ceil(step / max(1, steps_per_epoch)),
@@ -581,7 +605,9 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv) -> dict[str, Any]:
         _write_json_atomic(cfg.run_dir / "summary.json", summary)
     log.info("done: %s", json.dumps(summary))
     if not summary["ranks_in_sync"]:
-        raise HpctrainError(f"ranks ended with different parameters ({sorted(set(hashes))}); this is a bug, please report it")
+        error = HpctrainError(f"ranks ended with different parameters ({sorted(set(hashes))}); this is a bug, please report it")
+        error.agreed = True  # every rank saw the same hashes
+        raise error
     return summary
 
 
@@ -593,8 +619,10 @@ def _last_train_loss(metrics_path: Path, comm: Comm) -> float | None:
     return comm.bcast(value)
 
 
-def evaluate(model: Any, reader: ShardReader, comm: Comm) -> dict[str, float]:
-    """Validation loss and accuracy over all ranks' validation shards."""
+def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,
+             step: int = 0) -> dict[str, float]:
+    """Validation loss and accuracy over all ranks' validation shards. Only the final reduction is a wait
+    on other ranks (watched); the pass itself, however long, is this rank's own work."""
     import torch
 
     model.eval()
@@ -612,7 +640,11 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm) -> dict[str, float]:
             correct += float((out.argmax(1) == y).sum())
             n += len(y)
     model.train()
+    if watchdog is not None:
+        watchdog.phase("validation reduction", step)
     loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])
+    if watchdog is not None:
+        watchdog.idle()
     return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}
 
 

@@ -1,7 +1,11 @@
 """A hang watchdog: no job waits forever in a collective.
 
-The trainer names each collective it enters (`watchdog.phase("gradient allreduce", step)`) and leaves
-(`watchdog.idle()`). A thread on every rank writes a heartbeat file once a second
+The trainer names each wait that depends on other ranks as it enters it (`watchdog.phase("gradient
+allreduce", step)`) and leaves it (`watchdog.idle()`); each phase has its own budget: collectives the
+collective timeout, a checkpoint write (which waits for the slowest rank's part on a parallel filesystem)
+the checkpoint timeout. Work that waits for nobody (validation compute, the summary) is not watched, so a
+long validation never aborts a healthy job; a rank stuck in it is seen by the others, who wait for it in
+the next collective. A thread on every rank writes a heartbeat file once a second
 (`RUN/logs/rank-NNNN.heartbeat`: step, phase, time) and, when the current collective has waited longer than
 the timeout, reads the other ranks' heartbeats to say which ranks it is waiting for (behind, or silent: dead
 or stuck), logs that on stderr and in the rank's log, and aborts the whole job through MPI. The run
@@ -18,24 +22,39 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .threads import join_logged
+
 
 class Watchdog:
     """Per-rank collective timeout; `abort` ends the job (MPI_Abort) when a collective waits too long."""
 
-    def __init__(self, run_dir: Path, rank: int, world: int, *, timeout: float, abort: Callable[[int], None],
+    def __init__(self, run_dir: Path | None, rank: int, world: int, *, timeout: float, abort: Callable[[int], None],
                  log: Callable[[str], None] | None = None, interval: float = 1.0):
-        self.dir = Path(run_dir) / "logs"
+        self.dir = Path(run_dir) / "logs" if run_dir is not None else None  # None: no heartbeat files yet
         self.rank, self.world, self.timeout = rank, world, timeout
         self.abort, self.log, self.interval = abort, log, interval
         self._phase: str | None = None
+        self._budget = timeout
         self._step = 0
         self._since = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired: str | None = None
 
+    def __enter__(self) -> "Watchdog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def attach(self, run_dir: Path, log: Callable[[str], None] | None = None) -> None:
+        """Write heartbeats to RUN/logs from now on (the run directory exists only once the inputs are
+        checked), and log there too."""
+        self.dir = Path(run_dir) / "logs"
+        self.log = log or self.log
+
     def start(self) -> "Watchdog":
-        if self.timeout > 0 and self.world > 1:
+        if self.world > 1:
             try:
                 self._beat()
             except OSError:
@@ -44,23 +63,29 @@ class Watchdog:
             self._thread.start()
         return self
 
-    def phase(self, name: str, step: int) -> None:
-        """Entering collective `name` at `step`."""
-        self._step, self._since, self._phase = step, time.time(), name
+    def phase(self, name: str, step: int, budget: float | None = None) -> None:
+        """Entering the wait `name` at `step`; it may take `budget` seconds (default: the collective
+        timeout; 0: unwatched)."""
+        self._step, self._since = step, time.time()
+        self._budget = self.timeout if budget is None else budget
+        self._phase = name
 
     def idle(self) -> None:
         self._phase = None
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        try:
-            (self.dir / f"rank-{self.rank:04d}.heartbeat").unlink()
-        except FileNotFoundError:
-            pass
+        join_logged(self._thread, 5 * self.interval + 5, "heartbeat")
+        self._thread = None
+        if self.dir is not None:
+            try:
+                (self.dir / f"rank-{self.rank:04d}.heartbeat").unlink()
+            except FileNotFoundError:
+                pass
 
     def _beat(self) -> None:
+        if self.dir is None:
+            return
         path = self.dir / f"rank-{self.rank:04d}.heartbeat"
         tmp = path.with_suffix(".heartbeat.tmp")
         tmp.write_text(json.dumps({"rank": self.rank, "step": self._step, "phase": self._phase,
@@ -69,7 +94,9 @@ class Watchdog:
 
     def _others(self, now: float) -> list[str]:
         """Who this rank is waiting for: ranks behind it, or silent for longer than a few beats."""
-        waiting = []
+        waiting: list[str] = []
+        if self.dir is None:
+            return waiting
         for r in range(self.world):
             if r == self.rank:
                 continue
@@ -91,19 +118,16 @@ class Watchdog:
                 self._beat()
             except OSError:
                 pass
-            phase = self._phase
+            phase, budget = self._phase, self._budget
             waited = time.time() - self._since
-            if phase is None or waited <= self.timeout:
+            if phase is None or budget <= 0 or waited <= budget:
                 continue
             others = self._others(time.time()) or ["no rank found behind: a network or MPI problem"]
+            option = "--collective-timeout" if budget == self.timeout else "its budget,"
             self.fired = (f"rank {self.rank}: {phase} at step {self._step} has waited {waited:.0f} s (over "
-                          f"--collective-timeout {self.timeout:g} s) for {', '.join(others)}; aborting the job")
+                          f"{option} {budget:g} s) for {', '.join(others)}; aborting the job")
             print(f"error: {self.fired}", file=sys.stderr, flush=True)
             if self.log is not None:
                 self.log(self.fired)
             self.abort(1)
             return
-
-
-def make(run_dir: Path, comm: Any, timeout: float, log: Callable[[str], None]) -> Watchdog:
-    return Watchdog(run_dir, comm.rank, comm.size, timeout=timeout, abort=comm.abort, log=log).start()

@@ -82,6 +82,7 @@ def train(
     log_every: Annotated[int, typer.Option(help="Log metrics every N steps.")] = 10,
     tensorboard: Annotated[bool, typer.Option("--tensorboard", help="Also write TensorBoard events to RUN/tensorboard.")] = False,
     collective_timeout: Annotated[float, typer.Option(help="Abort when a collective waits longer than this (s; 0: never).")] = 300.0,
+    checkpoint_timeout: Annotated[float, typer.Option(help="Abort when a checkpoint write, waiting for every rank's part, takes longer than this (s; 0: never).")] = 1800.0,
     config: Annotated[Optional[Path], typer.Option(help="TOML file with the same keys as these flags (flags win).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:

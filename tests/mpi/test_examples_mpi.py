@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, mpirun, summary
+from conftest import ROOT, hpctrain, mpirun, summary
 
 pytestmark = pytest.mark.mpi
 EXAMPLES = ROOT / "examples"
@@ -58,3 +58,14 @@ def test_import_is_cheap() -> None:
 def test_distributed_optimizer_gives_the_mean_gradient(n: int) -> None:
     proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "api_check.py")], python_module=False)
     assert f"API OK {n}" in proc.stdout
+
+
+@pytest.mark.parametrize("order", ["zero-first", "zero-last"])
+def test_uneven_last_batch_gets_its_own_weights_in_either_zeroing_order(tmp_path: Path, order: str) -> None:
+    """39 samples in 4 shards: on 2 ranks 19 and 20 samples, so the last step has 3 and 4. Before the fix,
+    `step(); zero_grad()` gave each step the weights of the step before it."""
+    data = tmp_path / "d"
+    hpctrain(["shard", "synthetic:39:5:3", str(data), "--shards", "4", "--val-fraction", "0"])
+    proc = mpirun(2, [str(Path(__file__).parent / "scripts" / "api_uneven_check.py"), str(data), order],
+                  python_module=False, timeout=120)
+    assert f"UNEVEN OK 2 {order} 5" in proc.stdout

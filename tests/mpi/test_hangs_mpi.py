@@ -1,0 +1,123 @@
+"""No run hangs: each case here hung (or failed silently) before its fix; each has a deadline.
+
+Real mpirun, real ranks, real files. Faults are injected inside the rank processes (tests/mpi/scripts)
+or by signals from outside, as a scheduler or a failing node would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from conftest import PYTHON, hpctrain, mpi_env, mpirun, summary
+
+pytestmark = pytest.mark.mpi
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_max_steps_exactly_the_prefetch_depth_before_an_epoch_ends(digits2: Path, tmp_path: Path) -> None:
+    """The issue's first report: 23 steps per epoch, --max-steps 21 stopped with 2 batches (the prefetch
+    depth) left, and closing the reader joined a thread blocked on a full queue forever."""
+    run = tmp_path / "r"
+    hpctrain(["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(run), "--batch-size", "32",
+              "--max-steps", "21", "--epochs", "3"], timeout=90)
+    assert summary(run)["steps"] == 21
+
+
+def test_random_settings_that_hung(tmp_path: Path) -> None:
+    """The issue's second report: digits in 6 shards, batch 50, 14 steps, accumulate 2, no overlap."""
+    data, run = tmp_path / "d", tmp_path / "r"
+    hpctrain(["shard", "digits", str(data), "--shards", "6"])
+    hpctrain(["launch", "-n", "2", "--", "train", "--data", str(data), "--run-dir", str(run), "--batch-size", "50",
+              "--max-steps", "14", "--accumulate", "2", "--no-overlap"], timeout=90)
+    assert summary(run)["steps"] == 14
+
+
+def test_allreduce_error_on_one_rank_still_enters_every_bucket() -> None:
+    proc = mpirun(2, [str(SCRIPTS / "sync_faults.py"), "error"], python_module=False, timeout=60)
+    assert "rank 0 CommError: gradient allreduce failed on rank 0" in proc.stdout, proc.stdout
+    assert "rank 1 done 2" in proc.stdout and "rank 0 CommError" in proc.stdout
+
+
+def test_second_backward_without_no_sync_raises_instead_of_racing() -> None:
+    proc = mpirun(2, [str(SCRIPTS / "sync_faults.py"), "double-backward"], python_module=False, timeout=60)
+    assert proc.stdout.count("raised no_sync") == 2, proc.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_broadcast_of_bfloat16_bool_and_strided_tensors(n: int) -> None:
+    proc = mpirun(n, [str(SCRIPTS / "sync_faults.py"), "broadcast"], python_module=False, timeout=60)
+    assert proc.stdout.count("broadcast ok") == n, proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["validation", "checkpoint"])
+def test_slow_validation_or_checkpoint_write_is_not_a_hang(digits2: Path, tmp_path: Path, mode: str) -> None:
+    proc = mpirun(2, [str(SCRIPTS / "slow_phases.py"), str(digits2), str(tmp_path / "r"), mode], python_module=False,
+                  timeout=90)
+    assert proc.stdout.count("finished") == 2, proc.stdout + proc.stderr
+
+
+def test_a_rank_failing_alone_ends_the_job_and_says_why(tmp_path: Path) -> None:
+    """A corrupt chunk in rank 1's shard fails rank 1 alone, while rank 0 enters the next allreduce: the
+    job must end at once with rank 1's message (it used to wait for the collective timeout, silently)."""
+    data, run = tmp_path / "d", tmp_path / "r"
+    hpctrain(["shard", "synthetic:4000:16:4", str(data), "--shards", "2", "--val-fraction", "0", "--chunk-rows", "64"])
+    shard = sorted((data / "train").glob("shard-*.h5"))[1]  # rank 1's
+    with h5py.File(shard, "r") as h5:
+        offset = h5["x"].id.get_chunk_info(0).byte_offset
+    with open(shard, "r+b") as fh:
+        fh.seek(offset + 8)
+        fh.write(b"\xff" * 16)
+    start = time.monotonic()
+    proc = mpirun(2, ["train", "--data", str(data), "--run-dir", str(run), "--epochs", "1"], check=False, timeout=120)
+    assert time.monotonic() - start < 60
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "rank 1: cannot read rows" in proc.stderr and "ending the job" in proc.stderr, proc.stderr
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    from hpctrain.launch import descendants
+
+    pids = []
+    for pid in descendants(launcher):
+        try:
+            if b"OMPI_COMM_WORLD_RANK=" in Path(f"/proc/{pid}/environ").read_bytes():
+                pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def test_stop_signal_ends_a_job_whose_rank_is_stuck(digits2: Path, tmp_path: Path) -> None:
+    """SIGTERM to the launcher while one rank is stopped (SIGSTOP: stuck, it can never agree to stop): the
+    launcher ends the job itself `--grace` seconds later. It used to wait forever."""
+    run = tmp_path / "r"
+    proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--grace", "3", "--", "train", "--data",
+                             str(digits2), "--run-dir", str(run), "--epochs", "500", "--collective-timeout", "0"],
+                            env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - signalled < 15
+        assert proc.returncode != 0 and "did not stop within 3 s" in err, (proc.returncode, err)
+        time.sleep(0.5)
+        assert not [p for p in ranks if Path(f"/proc/{p}").exists() and b"Z" not in
+                    Path(f"/proc/{p}/stat").read_bytes().split(b") ")[1][:1]], "ranks left running"
+    finally:
+        if proc.poll() is None:
+            from hpctrain.launch import kill_tree
+            kill_tree(proc.pid)
+            proc.wait()
