@@ -1,4 +1,5 @@
-"""The stop request of a run: SIGTERM or SIGUSR2, from a scheduler, a launcher or a person.
+"""How a run's process stops: on request (SIGTERM or SIGUSR2, from a scheduler, a launcher or a person),
+and by deadline where no Python thread can watch it.
 
 A signal handler only sets a flag; the ranks agree on it at the next step boundary, write one checkpoint
 together and exit with `STOP_EXIT`. There is one flag per process, installed as early as possible
@@ -9,7 +10,9 @@ action of SIGUSR2 is to terminate).
 
 from __future__ import annotations
 
+import faulthandler
 import signal
+import sys
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
@@ -22,6 +25,7 @@ class StopFlag:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self.exit_budget = 0.0  # seconds the process may take to exit after the run (see finishing)
 
     @property
     def requested(self) -> bool:
@@ -52,3 +56,30 @@ class StopFlag:
 
 
 FLAG = StopFlag()
+
+
+def deadline(seconds: float) -> None:
+    """End this process (exit 1, after printing every thread's stack on stderr) if it still runs `seconds`
+    from now, whatever it is doing. A C thread (faulthandler's) keeps this time, so it works where no Python
+    thread can run: inside MPI_Init or MPI_Finalize, which wait for every rank, also for one that is stopped
+    and will never come. The rank's exit then makes the launcher end the whole job. 0: no deadline."""
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+
+
+def cancel_deadline() -> None:
+    """The watchdog thread has taken over (or the wait is over)."""
+    faulthandler.cancel_dump_traceback_later()
+
+
+def finishing(seconds: float) -> None:
+    """The run is over and the process is about to exit: a stop signal now is moot, so ignore it (also while
+    the interpreter tears down, when Python would otherwise give SIGUSR2 back its default action: death),
+    and be gone within `seconds` even if MPI_Finalize waits for a rank that is stuck."""
+    for sig in STOP_SIGNALS:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread: library use, the caller owns the process
+            return
+    FLAG._previous.clear()
+    deadline(seconds)

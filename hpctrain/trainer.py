@@ -35,7 +35,7 @@ from .errors import CheckpointError, ConfigError, HpctrainError
 from .models import build_model
 from .progress import Progress
 from .stop import FLAG as STOP
-from .stop import STOP_EXIT
+from .stop import STOP_EXIT, cancel_deadline, deadline
 from .watchdog import Watchdog
 
 
@@ -216,22 +216,27 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     An unexpected failure is logged with its traceback in the rank's log (RUN/logs/rank-NNNN.log) and
     re-raised as one line that names that log.
     """
-    comm = comm or world()
     try:
+        if comm is None:  # MPI_Init waits for every rank: a rank stopped before it would hang the others there
+            deadline(cfg.collective_timeout)  # until the watchdog takes over in _train
+            comm = world()
         with contextlib.ExitStack() as stack:  # every thread, file and handler is undone here, on any exit
             return _train(cfg, comm, env or read_env(), stack)
     except HpctrainError as exc:
         error = exc
     except Exception as exc:
-        log_path = cfg.run_dir / "logs" / f"rank-{comm.rank:04d}.log"
+        rank = comm.rank if comm is not None else 0
+        log_path = cfg.run_dir / "logs" / f"rank-{rank:04d}.log"
         if log_path.parent.is_dir():
-            logging.getLogger(f"hpctrain.rank{comm.rank}").exception("training failed")
+            logging.getLogger(f"hpctrain.rank{rank}").exception("training failed")
             where = f"traceback in {log_path}"
         else:
             where = "before the run directory was created"
-        error = HpctrainError(f"rank {comm.rank}: {type(exc).__name__}: {exc} ({where})")
+        error = HpctrainError(f"rank {rank}: {type(exc).__name__}: {exc} ({where})")
         error.__cause__ = exc
-    if comm.size > 1 and not error.agreed:
+    finally:
+        cancel_deadline()
+    if comm is not None and comm.size > 1 and not error.agreed:
         _end_job(comm, error)
     raise error
 
@@ -257,6 +262,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     # every wait on other ranks from here on is watched; heartbeat files once the run directory exists
     watchdog = stack.enter_context(Watchdog(None, comm.rank, comm.size, timeout=cfg.collective_timeout,
                                             abort=comm.abort).start())
+    cancel_deadline()  # MPI is up and the watchdog watches from here
 
     # -- check everything before anything is written --------------------------------------------------
     error: HpctrainError | None = None
@@ -278,13 +284,18 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
             raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, shards.x_shape, shards.num_classes)
-        if comm.rank == 0:  # one rank finds and verifies the checkpoint: checksums read every byte
-            resume_path = _resolve_resume(cfg, warnings.append)
     except HpctrainError as exc:
         error = exc
-    watchdog.phase("start-up checks (rank 0 verifies the checkpoint)", 0, budget=cfg.checkpoint_timeout)
+    watchdog.phase("start-up checks", 0)
     comm.agree(error)
     assert shards is not None and model is not None
+    if comm.rank == 0:  # one rank finds and verifies the checkpoint: checksums read every byte
+        try:
+            resume_path = _resolve_resume(cfg, warnings.append)
+        except HpctrainError as exc:
+            error = exc
+    watchdog.phase("start-up: rank 0 verifies the checkpoint", 0, budget=cfg.checkpoint_timeout)
+    comm.agree(error if comm.rank == 0 else None)
     resume_path = comm.bcast(resume_path)
     watchdog.idle()
 

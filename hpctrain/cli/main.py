@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from ..stop import FLAG
+from ..stop import FLAG, finishing
 from . import bench, container, doctor, launch, report, shard, submit, train
 
 app = typer.Typer(
@@ -29,6 +29,12 @@ app.add_typer(bench.app, name="bench")
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["train"]:  # a stop during start-up is kept for the first step boundary
+    """The process entry (console script and `python -m hpctrain`)."""
+    training = sys.argv[1:2] == ["train"]
+    if training:  # a stop during start-up is kept for the first step boundary
         FLAG.install()
-    app(prog_name="hpctrain")
+    try:
+        app(prog_name="hpctrain")
+    finally:
+        if training:
+            finishing(FLAG.exit_budget)

@@ -95,8 +95,10 @@ def train(
         values.pop(name)
     values["json"] = json_out
     cfg = build_config(ctx, values, config)
+    from ..stop import FLAG
     from ..trainer import train as run
 
+    FLAG.exit_budget = cfg.collective_timeout  # for what is left after the run: MPI_Finalize waits for every rank
     summary = run(cfg)
     if is_rank0():
         if json_out:
