@@ -10,7 +10,7 @@ APT_PACKAGES := openmpi-bin libopenmpi-dev shellcheck
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 
-.PHONY: demo test deps venv clean slurm-up slurm-down slurm-status bench-slurm
+.PHONY: demo test deps venv clean slurm-up slurm-down slurm-status bench-slurm soak
 
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -43,6 +43,11 @@ slurm-up: ; $(SUDO) bash slurm/cluster.sh up
 slurm-down: ; $(SUDO) bash slurm/cluster.sh down
 slurm-status: ; bash slurm/cluster.sh status
 bench-slurm: venv ; $(PY) benchmarks/slurm_latency.py --repeats 5
+
+# the randomized hang matrix: CASES random cases of seed SEED (config + one signal/kill/stop), one row each
+SEED ?= 1
+CASES ?= 200
+soak: venv ; $(PY) benchmarks/soak.py --seed $(SEED) --cases $(CASES)
 
 clean:
 	rm -rf demo $(VENV)
