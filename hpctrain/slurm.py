@@ -22,29 +22,62 @@ Signals: Slurm sends SIGUSR2 `signal_delay_s` before the time limit to every tas
 `scancel --signal=USR2 JOB` does the same by hand; the trainer of every rank acts on it. With `mpirun` the
 signal goes to the batch shell instead (`B:USR2`), that is to the supervisor, which hands it to mpirun, which
 forwards it to every rank.
+
+A stop signal must neither kill a process of the job nor vanish because it came early or late. Slurm signals
+every process of the step (the rank wrapper and the program under it) from the moment it exists, seconds before
+a trainer has imported torch and installed its handler, and SIGUSR2's default action is to terminate. So:
+the wrapper starts with SIGUSR2 blocked (`env --block-signal=USR2`: pending, not lost, across exec) and takes
+it over on its first line, before its own imports; it starts the program with SIGUSR2 ignored, and
+`_StopRelay` keeps each SIGUSR2 and hands it on as soon as the program (or a process under it) has a handler
+for it, read from /proc/PID/status; once the program has exited, SIGUSR2 is ignored, so a stop that comes after
+the run's last step cannot turn a completed rank into a failed one. The supervisor does the same with srun or
+mpirun. What no process of the job can see: a `scancel --signal=USR2 JOB` sent before the job's step exists
+(the first fraction of a second, while the supervisor starts srun) is dropped by slurmd itself ("No steps in
+jobid N to send signal 12"); `scancel --full` or `--batch` reaches the supervisor then.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
-import shlex
 import signal
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Sequence, TextIO
 
-from .env import read_env
-from .errors import ConfigError, SubmissionError, one_of
-from .launch import SUBCOMMANDS
+_EARLY: list[int] = []  # stop signals that reached this process before run_rank/supervise took them over
+
+
+def _hold_early(signum: int, frame: object) -> None:
+    _EARLY.append(signum)
+
+
+# `python -m hpctrain.slurm rank|supervise` is itself a process of the job: Slurm may signal it from its first
+# instruction. Hold the stop signals from here, before the imports below, until run_rank/supervise take over.
+if __name__ == "__main__" and sys.argv[1:2] in (["rank"], ["supervise"]):
+    for _sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT) if sys.argv[1] == "rank" else (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(_sig, _hold_early)
+    # Started through `env --block-signal=USR2` (BLOCK_STOP): a SIGUSR2 that came meanwhile is pending; it
+    # reaches _hold_early now. (Unblocked before any child starts: a child inherits the mask.)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
+
+import argparse  # noqa: E402 - after the early hold on purpose
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Sequence, TextIO  # noqa: E402
+
+from .env import read_env  # noqa: E402
+from .errors import ConfigError, SubmissionError, one_of  # noqa: E402
+from .launch import SUBCOMMANDS, descendants  # noqa: E402
 
 MPI_MODES = ("pmix", "pmi2", "mpirun")
+# Slurm signals a rank's processes from their first instruction: the rank wrapper starts with SIGUSR2 blocked
+# (pending, not lost, across exec), and unblocks it once its handler is in (GNU env, coreutils >= 8.31; the
+# supervisor leaves it out on a node whose env cannot, see `_launchable`).
+BLOCK_STOP = ("env", "--block-signal=USR2")
 STOP_EXIT = 3  # trainer.StopRequested.exit_code: every rank stopped at a step boundary and checkpointed
 FINAL_STATES = ("completed", "failed", "cancelled", "timed_out", "preempted", "unknown")
 # What a rank runs inside the image: bind the step's PMIx server directory (known only in the task), then
@@ -170,7 +203,7 @@ def _launch_parts(cfg: SubmitConfig, command: Sequence[str]) -> list[list[str]]:
         folder = str(cfg.folder)
         launcher = ["srun", "--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error",
                     f"{folder}/%j_%t_log.err", f"--mpi={cfg.mpi}", "--kill-on-bad-exit=1"]
-    wrapper = [cfg.python, "-u", "-m", "hpctrain.slurm", "rank", "--folder", str(cfg.folder), "--"]
+    wrapper = [*BLOCK_STOP, cfg.python, "-u", "-m", "hpctrain.slurm", "rank", "--folder", str(cfg.folder), "--"]
     return [launcher, wrapper, rank_command(cfg, command)]
 
 
@@ -179,7 +212,9 @@ def launcher_command(cfg: SubmitConfig, command: Sequence[str]) -> list[str]:
 
     Each rank runs under `python -m hpctrain.slurm rank`, which turns the collective stop (exit 3: every rank
     checkpointed together) into exit 0 plus a note in the job record: with --kill-on-bad-exit (and under
-    mpirun) the first rank to exit 3 would otherwise kill the others while they are still finishing.
+    mpirun) the first rank to exit 3 would otherwise kill the others while they are still finishing. It starts
+    through `env --block-signal=USR2` (BLOCK_STOP), so a stop that comes while Python starts waits, pending,
+    for the wrapper's first line instead of killing the rank.
     """
     return [arg for part in _launch_parts(cfg, command) for arg in part]
 
@@ -350,32 +385,176 @@ def slurm_job(job_id: str) -> dict[str, str] | None:
     return info
 
 
+class _StopRelay:
+    """Hands the stop signal (SIGUSR2) to a child process only once the child can take it.
+
+    The child starts with SIGUSR2 ignored (`start`), so a stop that reaches it directly (Slurm signals every
+    process of the step) before it has a handler, say while Python imports torch, neither kills it nor counts:
+    this process keeps every SIGUSR2 it gets and hands it on as soon as the child, or a process under it (a
+    shell script's program), catches SIGUSR2 (SigCgt in /proc/PID/status). Where /proc cannot tell, it hands
+    it on at once. SIGTERM and SIGINT go to the child at once: their default action is what they ask for.
+    Every handler only sets a flag or sends a signal, so duplicates (Slurm's own copy and ours) are harmless.
+    """
+
+    def __init__(self, passed: Sequence[int]) -> None:
+        self.passed = tuple(passed)  # signals handed on at once
+        self.proc: subprocess.Popen | None = None
+        self.pending = 0  # SIGUSR2s received and not yet handed on
+        self.delivered = 0  # SIGUSR2s handed on to a process that catches it
+        self.received: list[int] = []
+        self._passed_early: list[int] = []  # SIGTERM/SIGINT that came before the child existed
+        self._owner = os.getpid()
+        self._proc_fs = os.path.isdir(f"/proc/{self._owner}")
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Take this relay's signals over from the early hold, replaying what it caught of them."""
+        mine = (signal.SIGUSR2, *self.passed)
+        for sig in mine:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        early = [sig for sig in _EARLY if sig in mine]
+        _EARLY[:] = [sig for sig in _EARLY if sig not in mine]
+        for sig in early:
+            self._handle(sig, None)
+
+    def start(self, argv: Sequence[str]) -> subprocess.Popen:
+        """Start the child with SIGUSR2 ignored, then hand on whatever arrived meanwhile."""
+        self.proc = subprocess.Popen(list(argv), preexec_fn=_ignore_stop_signal)
+        for sig in self._passed_early:
+            self._send(self.proc.pid, sig)
+        self._passed_early.clear()
+        self.relay()
+        return self.proc
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._owner:  # in the child between fork and exec: not this process's signal
+            return
+        self.received.append(signum)
+        if signum != signal.SIGUSR2:
+            if self.proc is None:
+                self._passed_early.append(signum)
+            elif self.proc.returncode is None:
+                self._send(self.proc.pid, signum)
+            return
+        self.pending += 1
+        self.relay()
+
+    def relay(self) -> None:
+        """Hand the held SIGUSR2 on if a process of the child can take it now."""
+        if not self.pending or self.proc is None or self.proc.returncode is not None:
+            return
+        targets = self._catchers(self.proc.pid)
+        if targets:
+            self.pending = 0
+            self.delivered += 1
+            for pid in targets:
+                self._send(pid, signal.SIGUSR2)
+
+    def _catchers(self, pid: int) -> list[int]:
+        if not self._proc_fs:
+            return [pid]
+        if _catches(pid, signal.SIGUSR2):
+            return [pid]
+        return [p for p in descendants(pid) if _catches(p, signal.SIGUSR2)]
+
+    def wait(self) -> int:
+        """Wait for the child, relaying a held SIGUSR2 while it starts; then ignore SIGUSR2 (a stop after the end
+        must not kill this process while it records and exits). Returns the child's code, 128+N for signal N."""
+        assert self.proc is not None
+        polls = 0  # while a SIGUSR2 is held: look often at first (a trainer installs its handler within seconds)
+        while True:
+            polls = polls + 1 if self.pending else 0
+            try:
+                code = self.proc.wait(timeout=0.5 if not self.pending or polls > 200 else 0.05)
+                break
+            except subprocess.TimeoutExpired:
+                self.relay()
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        return code if code >= 0 else 128 - code
+
+    def restore(self) -> None:
+        """Give the signals back to their previous handlers (in a job process: the early hold, see `main`)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @staticmethod
+    def _send(pid: int, signum: int) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _ignore_stop_signal() -> None:
+    """In the child, before exec: SIGUSR2 ignored until the program installs its own handler (exec keeps an
+    ignored signal ignored), so a stop during its start-up waits in the parent instead of killing it."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _launchable(launcher: Sequence[str]) -> list[str]:
+    """`launcher` as this node can run it: without BLOCK_STOP before the rank wrapper where `env` cannot block
+    signals (coreutils before 8.31, e.g. RHEL 8), saying so; the ranks then start as they did before it."""
+    argv, n = list(launcher), len(BLOCK_STOP)
+    at = next((i for i in range(len(argv) - n) if tuple(argv[i:i + n]) == BLOCK_STOP
+               and argv[i + n + 1:i + n + 5] == ["-u", "-m", "hpctrain.slurm", "rank"]), None)
+    if at is None:
+        return argv
+    try:
+        works = subprocess.run([*BLOCK_STOP, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        works = False
+    if works:
+        return argv
+    print(f"hpctrain: `{' '.join(BLOCK_STOP)}` does not work on this node (GNU coreutils >= 8.31 has it); ranks "
+          "start without it: a SIGUSR2 in a rank's first few milliseconds may end that rank", file=sys.stderr, flush=True)
+    return argv[:at] + argv[at + n:]
+
+
 def supervise(folder: Path, launcher: Sequence[str], *, max_requeues: int, signal_delay_s: int) -> int:
     """Run the ranks through `launcher`, record what happened, and requeue after a checkpointed stop.
 
     Runs as the batch shell of the job (the script `exec`s it). Returns the exit code of the job step.
     """
+    # SIGUSR2 reaches the supervisor from `B:USR2@T` (mpirun) or `scancel --full/--batch`: srun and mpirun
+    # forward it to every rank, so it goes to the launcher once the launcher handles it. SIGTERM reaches the
+    # ranks from Slurm directly (scancel, preemption); here it must not kill the supervisor before the ranks
+    # have written their checkpoint.
+    relay = _StopRelay(passed=())
+    relay.install()
+    previous_term = signal.signal(signal.SIGTERM, lambda s, f: relay.received.append(s))
+    relay.received.extend(_EARLY)  # a SIGTERM held before this line
+    _EARLY.clear()
+    try:
+        return _supervise(relay, folder, launcher, max_requeues=max_requeues, signal_delay_s=signal_delay_s)
+    finally:
+        relay.restore()
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def _supervise(relay: _StopRelay, folder: Path, launcher: Sequence[str], *, max_requeues: int,
+               signal_delay_s: int) -> int:
     env = read_env()
     job_id = env.job_id or "local"
     folder = Path(folder)
     restart = env.restart_count
     record(folder, job_id, "start", restart=restart, node=env.node_name, pid=os.getpid())
+    launcher = _launchable(launcher)
     print(f"hpctrain: job {job_id} start {restart} on {env.node_name}: {shlex.join(launcher)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(list(launcher))
-    received: list[int] = []
-
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
-        try:  # srun and mpirun both forward SIGUSR2 to every rank; the ranks then checkpoint together
-            proc.send_signal(signal.SIGUSR2)
-        except ProcessLookupError:
-            pass
-
-    signal.signal(signal.SIGUSR2, forward)
-    # SIGTERM reaches the ranks from Slurm directly (scancel, preemption); here it must not kill the
-    # supervisor before the ranks have written their checkpoint.
-    signal.signal(signal.SIGTERM, lambda s, f: received.append(s))
-    code = proc.wait()
+    relay.start(launcher)
+    code = relay.wait()
     events = [e for e in read_record(folder, job_id) if e.get("restart") == restart]
     stopped = any(e.get("event") == "ranks_stopped" for e in events)
     failed = [e for e in events if e.get("event") == "rank_failed"]
@@ -423,22 +602,29 @@ def supervise(folder: Path, launcher: Sequence[str], *, max_requeues: int, signa
 
 
 def run_rank(folder: Path, argv: Sequence[str]) -> int:
-    """Run one rank's command; a checkpointed stop (exit 3) becomes exit 0 and, on rank 0, a record event."""
-    env = read_env()
-    proc = subprocess.Popen(list(argv))
+    """Run one rank's command; a checkpointed stop (exit 3) becomes exit 0 and, on rank 0, a record event.
 
-    def forward(signum: int, frame: Any) -> None:
-        try:  # Slurm may signal only this process (mpirun does): the rank must hear it too
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-    for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    code = proc.wait()
-    code = code if code >= 0 else 128 - code
+    Holds SIGUSR2 until the command handles it (see `_StopRelay`): Slurm signals this wrapper and the command
+    alike, and a trainer still importing torch would otherwise die of it. SIGTERM and SIGINT are passed on at
+    once (Slurm may signal only this process, as mpirun does).
+    """
+    relay = _StopRelay(passed=(signal.SIGTERM, signal.SIGINT))
+    relay.install()
+    try:
+        env = read_env()
+        relay.start(argv)
+        code = relay.wait()
+    finally:
+        relay.restore()
+    rank = env.rank or 0
+    if relay.pending:
+        print(f"hpctrain: rank {rank}: a SIGUSR2 came while the program did not handle it (not yet, or no longer "
+              f"after its last step); it exited with code {code}", file=sys.stderr, flush=True)
+    elif relay.delivered and code == 0:
+        print(f"hpctrain: rank {rank}: SIGUSR2 was handed to the program, which then completed (exit 0) instead of "
+              "stopping: the signal came after its last step", file=sys.stderr, flush=True)
     if code == STOP_EXIT:
-        if (env.rank or 0) == 0:
+        if rank == 0:
             record(folder, env.job_id or "local", "ranks_stopped", restart=env.restart_count, exit_code=code)
         return 0
     if code:  # srun reports only the largest code (often a rank it killed); keep who failed first, and how
@@ -610,9 +796,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         parser.error("no command after --")
-    if args.cmd == "rank":
-        return run_rank(args.folder, command)
-    return supervise(args.folder, command, max_requeues=args.max_requeues, signal_delay_s=args.signal_delay)
+    try:
+        if args.cmd == "rank":
+            return run_rank(args.folder, command)
+        return supervise(args.folder, command, max_requeues=args.max_requeues, signal_delay_s=args.signal_delay)
+    finally:
+        # This process is done with the ranks: a stop that comes now (after the run's last step) must not kill
+        # it on its way out (Python resets its own handlers to the default action while it exits).
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

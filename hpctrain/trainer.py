@@ -579,6 +579,8 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
         raise StopRequested(f"stopped by {name} at step {step}; checkpoint written to "
                             f"{cfg.run_dir / 'checkpoints' / ckpt.step_dir_name(step)}; continue with --resume auto")
 
+    if STOP.requested:  # came after the last step's boundary: nothing left to stop, the run is complete
+        log.warning("%s arrived after the last step; the run completed", signal.Signals(STOP.signum).name)
     train_time = time.perf_counter() - train_start
     if not last_val and val_reader is not None:
         last_val = evaluate(model, val_reader, comm, watchdog=watchdog, step=step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from slurm_util import cli, cluster_session, submit_json, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 PROBE = Path(__file__).parent / "scripts" / "gpu_probe.py"
+SLOW_HANDLER = Path(__file__).parent / "scripts" / "slow_handler.py"
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +87,9 @@ def test_container_ranks_run_in_apptainer_with_binds(slurm_cluster, digits2: Pat
 
 
 def test_usr2_requeues_and_resumes_bit_identical(slurm_cluster, digits2: Path, tmp_path: Path) -> None:
-    args = ["--epochs", "4", "--batch-size", "8", "--log-every", "1"]
+    # 20 epochs of about 1 ms steps: the signal must land mid-run. With 4 epochs (0.4 s of training) it could
+    # reach the ranks after their last step; the run then rightly completed, and this test failed.
+    args = ["--epochs", "20", "--batch-size", "8", "--log-every", "1"]
     run, folder = tmp_path / "job", tmp_path / "jobs"
     info = submit_json(["--nodes", "2", "--time", "5", "--folder", str(folder), "--", "train", "--data",
                         str(digits2), "--run-dir", str(run), *args], cwd=tmp_path)
@@ -108,6 +112,32 @@ def test_usr2_requeues_and_resumes_bit_identical(slurm_cluster, digits2: Path, t
     assert got["param_sha256"] == want["param_sha256"]
     text = cli(["status", job, "--folder", str(folder)], cwd=tmp_path).stdout
     assert "completed (restarts: 1)" in text and "requeued" in text and "reason=preempted" in text
+
+
+def test_usr2_while_a_rank_starts_or_ends_is_held_not_fatal(slurm_cluster, tmp_path: Path) -> None:
+    """Slurm signals every process of the step as soon as it exists. A SIGUSR2 that came before the rank's
+    program had a handler (a trainer importing torch) killed the rank, and the job failed; one that came after
+    its last step, once it had given its handler back, killed a completed rank. Now the rank's wrapper holds it
+    until the program handles it, and a program with no handler left ignores it."""
+    run, folder = tmp_path / "run", tmp_path / "jobs"
+    run.mkdir()
+    info = submit_json(["--nodes", "2", "--time", "5", "--folder", str(folder), "--", sys.executable,
+                        str(SLOW_HANDLER), str(run), "3"], cwd=tmp_path)
+    job = info["job_id"]
+    wait_for(lambda: all((run / f"started-{r}-0").exists() for r in (0, 1)), 90, "both ranks to start", poll=0.05)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # the programs sleep 3 s without a handler
+    ending = lambda: all((run / f"ending-{r}-1").exists() for r in (0, 1))  # noqa: E731
+    wait_for(lambda: ending() or job_status(folder, job)["state"] in ("completed", "failed"), 120,
+             "the requeued ranks' last step", poll=0.05)
+    assert ending(), job_status(folder, job)  # not so: the first stop killed the ranks
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # they gave their handler back: 3 s to go
+    final = wait_for(lambda: (s := job_status(folder, job))["state"] in ("completed", "failed") and s, 60, "the end")
+    assert final["state"] == "completed" and final["restarts"] == 1, final
+    assert [e["event"] for e in final["events"]] == ["start", "ranks_stopped", "requeued", "start", "completed"]
+    for r in (0, 1):  # each rank got the first stop once its handler was there, and only then
+        got = json.loads((run / f"stop-{r}").read_text())
+        assert got and set(got) == {signal.SIGUSR2}, (r, got)
+    assert "did not handle it" in (folder / f"{job}_1_log.err").read_text()
 
 
 def test_failing_job_fails_once_and_says_why(slurm_cluster, tmp_path: Path) -> None:
