@@ -23,7 +23,6 @@ from .comm import Comm, GradSync
 from .env import read_env
 from .errors import ConfigError
 
-DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 
 
 def parse_size(text: str) -> int:

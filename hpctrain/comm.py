@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from .config import WIRE_FORMATS
 from .errors import CommError, ConfigError
 from .threads import join_logged
 
@@ -206,7 +207,6 @@ def cuda_aware() -> bool | None:
 # Gradient synchronization
 # ---------------------------------------------------------------------------------------------------
 
-_WIRE_DTYPES = ("none", "fp16", "bf16")
 
 
 class _Bucket:
@@ -254,8 +254,8 @@ class GradSync:
 
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
-        if compress not in _WIRE_DTYPES:
-            raise ConfigError(f"unknown compression {compress!r}: choose one of {', '.join(_WIRE_DTYPES)}")
+        if compress not in WIRE_FORMATS:
+            raise ConfigError(f"unknown gradient wire format --compress {compress!r}: choose one of {', '.join(WIRE_FORMATS)}")
         self.comm = comm
         self.compress = compress
         self.overlap = overlap and comm.size > 1

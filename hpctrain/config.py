@@ -20,6 +20,22 @@ SCHEDULES = ("constant", "cosine", "step")
 WIRE_FORMATS = ("none", "fp16", "bf16")
 
 
+def read_toml(text: str) -> dict[str, Any]:
+    """Parse TOML text (tomllib; tomli before Python 3.11). Raises ValueError (TOMLDecodeError) on bad TOML."""
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib.loads(text)
+
+
+def write_toml(values: dict[str, Any]) -> str:
+    """TOML text for `values` (tomli-w: strings, numbers, lists and tables round-trip through read_toml)."""
+    import tomli_w
+
+    return tomli_w.dumps(values)
+
+
 def _positive(name: str, value: float, example: str) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{name} {value!r} must be a positive number, e.g. {name} {example}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import gzip
 import io
 import math
-import multiprocessing
 import os
 import pickle
 import re
@@ -42,6 +41,7 @@ from .env import read_env
 from .errors import ConfigError, DataError, HpctrainError
 from .progress import Progress
 from .sharding import Source, _labels
+from .threads import worker_context
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".pbm", ".tif", ".tiff", ".webp")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -173,10 +173,7 @@ def _workers(requested: int) -> int:
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["hpctrain.imagesources", "PIL.Image", "PIL.PngImagePlugin", "PIL.JpegImagePlugin"])
+    ctx = worker_context(["hpctrain.imagesources", "PIL.Image", "PIL.PngImagePlugin", "PIL.JpegImagePlugin"])
     return ProcessPoolExecutor(workers, mp_context=ctx)
 
 

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Sequence
 
+from .env import read_env
 from .errors import ConfigError, HpctrainError
 
 # hpctrain subcommands: a COMMAND starting with one of these runs as `python -m hpctrain ...`.
@@ -65,11 +66,8 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
     which forwards it). A job that has not ended `grace` seconds later, or a second signal, ends it now:
     SIGTERM to mpirun (which kills the ranks), and KILL_AFTER_S later SIGKILL to mpirun and every process
     under it. So a stop always ends the job, even one whose ranks hang."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        cpus = os.cpu_count() or 1
-    argv, env = build_command(n, command, mpirun=find_mpirun(), cpus=cpus, is_root=os.geteuid() == 0, extra=extra)
+    argv, env = build_command(n, command, mpirun=find_mpirun(), cpus=read_env().cpus_available,
+                              is_root=os.geteuid() == 0, extra=extra)
     proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
     stops = 0
     deadline: float | None = None  # when the job is ended hard

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
+from .config import read_toml
+from .durable import replacing, write_text
 from .errors import ConfigError, DataError
 
 PLOTS = {
@@ -119,13 +120,9 @@ def load_run(run_dir: Path) -> dict[str, Any]:
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - the tomli dependency covers 3.10
-        import tomli as tomllib
     try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        return read_toml(path.read_text())
+    except (OSError, ValueError):  # TOMLDecodeError is a ValueError
         return None  # the config is context for the reader, not needed for the numbers
 
 
@@ -181,9 +178,8 @@ def _epoch_lines(ax: Any, metrics: list[dict[str, Any]]) -> None:
 
 
 def _save(fig: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)  # someone may be viewing the report while it is regenerated
+    with replacing(path) as tmp:  # someone may be viewing the report while it is regenerated
+        fig.savefig(tmp, format="png")
 
 
 def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -409,7 +405,5 @@ def report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
     plot_throughput(run["metrics"], written["throughput"], title)
     plot_timing(run["ranks"], written["timing"], title)
     written["report"] = out_dir / "report.md"
-    tmp = written["report"].with_name(".report.md.tmp")
-    tmp.write_text(render_markdown(run, out_dir))
-    os.replace(tmp, written["report"])
+    write_text(written["report"], render_markdown(run, out_dir))
     return written

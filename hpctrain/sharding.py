@@ -33,6 +33,7 @@ from .data import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
 from .durable import fsync_dir
 from .errors import ConfigError, DataError, HpctrainError
 from .hdf5env import reader_locking
+from .threads import worker_context
 from .progress import Progress
 
 SOURCE_FORMS = ("digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/FILE.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR, "
@@ -385,15 +386,10 @@ def _write_in_workers(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes:
     HDF5 writes one dataset at a time per process, and the fletcher32 and sha256 passes are CPU-bound.
     This process writes share 0 with the source it has open while workers - 1 new ones start and write
     the others."""
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    methods = multiprocessing.get_all_start_methods()
-    # never fork: this process has the source's HDF5 file open (and maybe threads)
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["hpctrain.sharding", "h5py"])
+    ctx = worker_context(["hpctrain.sharding", "h5py"])  # never fork: the source's HDF5 file is open here
     digests: dict[str, str] = {}
     try:
         with ProcessPoolExecutor(workers - 1, mp_context=ctx) as pool:

@@ -72,13 +72,13 @@ from typing import Any, Sequence, TextIO  # noqa: E402
 from .env import read_env  # noqa: E402
 from .errors import ConfigError, SubmissionError, one_of  # noqa: E402
 from .launch import SUBCOMMANDS, descendants  # noqa: E402
+from .stop import STOP_EXIT  # noqa: E402 - every rank stopped at a step boundary and checkpointed
 
 MPI_MODES = ("pmix", "pmi2", "mpirun")
 # Slurm signals a rank's processes from their first instruction: the rank wrapper starts with SIGUSR2 blocked
 # (pending, not lost, across exec), and unblocks it once its handler is in (GNU env, coreutils >= 8.31; the
 # supervisor leaves it out on a node whose env cannot, see `_launchable`).
 BLOCK_STOP = ("env", "--block-signal=USR2")
-STOP_EXIT = 3  # trainer.StopRequested.exit_code: every rank stopped at a step boundary and checkpointed
 FINAL_STATES = ("completed", "failed", "cancelled", "timed_out", "preempted", "unknown")
 # What a rank runs inside the image: bind the step's PMIx server directory (known only in the task), then
 # exec apptainer with the arguments that follow. A constant string; user values only ever arrive as "$@".
@@ -195,7 +195,14 @@ def command_paths(command: Sequence[str]) -> list[str]:
 
 
 def _launch_parts(cfg: SubmitConfig, command: Sequence[str]) -> list[list[str]]:
-    """The launcher (srun or mpirun), the per-rank wrapper, and what each rank runs, as three argument lists."""
+    """The launcher (srun or mpirun), the per-rank wrapper, and what each rank runs, as three argument lists.
+
+    Each rank runs under `python -m hpctrain.slurm rank`, which turns the collective stop (exit 3: every rank
+    checkpointed together) into exit 0 plus a note in the job record: with --kill-on-bad-exit (and under
+    mpirun) the first rank to exit 3 would otherwise kill the others while they are still finishing. It starts
+    through `env --block-signal=USR2` (BLOCK_STOP), so a stop that comes while Python starts waits, pending,
+    for the wrapper's first line instead of killing the rank.
+    """
     if cfg.mpi == "mpirun":
         launcher = ["mpirun", "-n", str(cfg.world_size), "--map-by", f"ppr:{cfg.tasks_per_node}:node",
                     "--bind-to", "none"]
@@ -205,18 +212,6 @@ def _launch_parts(cfg: SubmitConfig, command: Sequence[str]) -> list[list[str]]:
                     f"{folder}/%j_%t_log.err", f"--mpi={cfg.mpi}", "--kill-on-bad-exit=1"]
     wrapper = [*BLOCK_STOP, cfg.python, "-u", "-m", "hpctrain.slurm", "rank", "--folder", str(cfg.folder), "--"]
     return [launcher, wrapper, rank_command(cfg, command)]
-
-
-def launcher_command(cfg: SubmitConfig, command: Sequence[str]) -> list[str]:
-    """The command the supervisor runs to start every rank: srun with a PMI, or mpirun in the allocation.
-
-    Each rank runs under `python -m hpctrain.slurm rank`, which turns the collective stop (exit 3: every rank
-    checkpointed together) into exit 0 plus a note in the job record: with --kill-on-bad-exit (and under
-    mpirun) the first rank to exit 3 would otherwise kill the others while they are still finishing. It starts
-    through `env --block-signal=USR2` (BLOCK_STOP), so a stop that comes while Python starts waits, pending,
-    for the wrapper's first line instead of killing the rank.
-    """
-    return [arg for part in _launch_parts(cfg, command) for arg in part]
 
 
 def sbatch_parameters(cfg: SubmitConfig, command: Sequence[str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What every thread hpctrain starts shares: it can be stopped, and is joined with a deadline.
+"""What every thread hpctrain starts shares: it can be stopped, and is joined with a deadline; and how
+worker processes start.
 
 A join that waits forever turns one stuck thread (a read on a hung filesystem, a collective whose peer
 died) into a job that never ends; here a join gives up after its timeout and says in the log what it
@@ -8,7 +9,9 @@ waited for. The threads are daemons, so a thread left behind never keeps the pro
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
+from typing import Any
 
 log = logging.getLogger("hpctrain")
 
@@ -22,3 +25,13 @@ def join_logged(thread: threading.Thread | None, timeout: float, what: str) -> b
         log.warning("thread %s (%s) did not stop within %.0f s; leaving it behind (daemon)", thread.name, what, timeout)
         return False
     return True
+
+
+def worker_context(preload: list[str]) -> Any:
+    """The multiprocessing context for worker processes: forkserver (spawn where there is none), never fork,
+    because the parent may hold open HDF5 files and threads; the server imports `preload` once for all."""
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(preload)
+    return ctx

@@ -28,8 +28,9 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .comm import Comm, GradSync, world
-from .config import TrainConfig
+from .config import TrainConfig, write_toml
 from .data import ShardReader, ShardSet, epoch_remainder, load_manifest
+from .durable import replacing, write_text
 from .env import RankEnv, read_env, select_device
 from .errors import CheckpointError, ConfigError, HpctrainError
 from .models import build_model
@@ -185,12 +186,6 @@ def _config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ignore = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep"}
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if k not in ignore and old.get(k) != new.get(k)]
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def _truncate_lines(path: Path, keep: int) -> None:
@@ -612,10 +607,9 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
                        "interval_s": manager.interval_seconds() if cfg.checkpoint_every == "auto" else None},
     }
     if comm.rank == 0:
-        tmp = cfg.run_dir / ".model.pt.tmp"
-        torch.save(model.state_dict(), tmp)
-        tmp.replace(cfg.run_dir / "model.pt")
-        _write_json_atomic(cfg.run_dir / "summary.json", summary)
+        with replacing(cfg.run_dir / "model.pt") as tmp:
+            torch.save(model.state_dict(), tmp)
+        write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     log.info("done: %s", json.dumps(summary))
     if not summary["ranks_in_sync"]:
         error = HpctrainError(f"ranks ended with different parameters ({sorted(set(hashes))}); this is a bug, please report it")
@@ -686,16 +680,7 @@ def _load_checkpoint(path: Path, comm: Comm, *, verified: bool = False) -> dict[
 
 
 def _write_config(cfg: TrainConfig) -> None:
-    """The resolved config, as TOML, beside the run."""
-    lines = []
-    for key, value in cfg.to_dict().items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (int, float)):
-            text = repr(value)
-        else:
-            text = json.dumps(str(value))
-        lines.append(f"{key} = {text}")
-    (cfg.run_dir / "config.toml").write_text("\n".join(lines) + "\n")
+    """The resolved config, as TOML beside the run: `hpctrain train --config RUN/config.toml` repeats it."""
+    write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_dict()))
 
 

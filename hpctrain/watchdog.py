@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .durable import write_text
 from .threads import join_logged
 
 
@@ -86,11 +87,9 @@ class Watchdog:
     def _beat(self) -> None:
         if self.dir is None:
             return
-        path = self.dir / f"rank-{self.rank:04d}.heartbeat"
-        tmp = path.with_suffix(".heartbeat.tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "step": self._step, "phase": self._phase,
-                                   "since": self._since, "time": time.time(), "pid": os.getpid()}))
-        tmp.replace(path)
+        write_text(self.dir / f"rank-{self.rank:04d}.heartbeat",
+                   json.dumps({"rank": self.rank, "step": self._step, "phase": self._phase, "since": self._since,
+                               "time": time.time(), "pid": os.getpid()}))
 
     def _others(self, now: float) -> list[str]:
         """Who this rank is waiting for: ranks behind it, or silent for longer than a few beats."""

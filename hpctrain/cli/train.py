@@ -10,21 +10,17 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..config import TrainConfig
+from ..config import TrainConfig, read_toml
 from ..errors import ConfigError
 from .common import handle_errors, is_rank0
 
 
 def _load_toml(path: Path) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
     if not path.is_file():
         raise ConfigError(f"--config {str(path)!r} not found")
     try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        data = read_toml(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError is a ValueError
         raise ConfigError(f"--config {str(path)!r} is not valid TOML ({exc})") from exc
     valid = {f.name for f in fields(TrainConfig)} - {"extra"}
     unknown = sorted(k.replace("-", "_") for k in data if k.replace("-", "_") not in valid)

@@ -47,3 +47,16 @@ def test_same_plan_or_constant_schedule_resumes_silently(data: Path, tmp_path: P
     _run(data, tmp_path / "s", "cosine", 10)
     _run(data, tmp_path / "s", "cosine", 10)
     assert "schedule" not in capsys.readouterr().err
+
+
+def test_config_toml_beside_the_run_rebuilds_the_same_config(data: Path, tmp_path: Path) -> None:
+    """config.toml is written by tomli-w and read by tomllib: every value round-trips, so
+    `hpctrain train --config RUN/config.toml` repeats the run."""
+    from hpctrain.config import read_toml
+
+    run = tmp_path / "r"
+    cfg = TrainConfig(data=data, run_dir=run, schedule="cosine", max_steps=3, batch_size=10, lr=0.125,
+                      model="mlp:16,8:dropout=0.1", checkpoint_every="auto", progress=False, json=True)
+    train(cfg, comm=Comm(None))
+    again = TrainConfig(**read_toml((run / "config.toml").read_text()))
+    assert again.to_dict() == cfg.to_dict()
