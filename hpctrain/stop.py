@@ -11,6 +11,7 @@ action of SIGUSR2 is to terminate).
 from __future__ import annotations
 
 import faulthandler
+import math
 import signal
 import sys
 from typing import Any
@@ -75,11 +76,17 @@ def cancel_deadline() -> None:
 def finishing(seconds: float) -> None:
     """The run is over and the process is about to exit: a stop signal now is moot, so ignore it (also while
     the interpreter tears down, when Python would otherwise give SIGUSR2 back its default action: death),
-    and be gone within `seconds` even if MPI_Finalize waits for a rank that is stuck."""
+    and be gone within `seconds` even if MPI_Finalize waits for a rank that is stuck.
+
+    The deadline here is the kernel's (SIGALRM, default action: end the process, exit 128 + 14), not
+    faulthandler's: mpi4py calls MPI_Finalize at the very end of the interpreter's teardown, after
+    faulthandler's thread is gone."""
     for sig in STOP_SIGNALS:
         try:
             signal.signal(sig, signal.SIG_IGN)
         except ValueError:  # not the main thread: library use, the caller owns the process
             return
     FLAG._previous.clear()
-    deadline(seconds)
+    if seconds > 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(max(1, math.ceil(seconds)))
