@@ -29,7 +29,7 @@ from pathlib import Path
 def child(path: Path, repeats: int) -> None:
     from hpctrain import checkpoint as ckpt
     from hpctrain.comm import world
-    from hpctrain.trainer import _load_checkpoint
+    from hpctrain.checkpoint import load_broadcast
 
     comm = world()
 
@@ -49,7 +49,7 @@ def child(path: Path, repeats: int) -> None:
                     evict()
                 comm.barrier()
                 t0 = time.perf_counter()
-                state = _load_checkpoint(path, comm) if mode == "bcast" else ckpt.load_files(path)
+                state = load_broadcast(path, comm) if mode == "bcast" else ckpt.load_files(path)
                 comm.barrier()
                 times.setdefault(f"{mode} {cache}", []).append(time.perf_counter() - t0)
                 assert state["meta"]["parts"] >= 1

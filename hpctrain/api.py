@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import checkpoint as ckpt
+from . import rngstate
 from .comm import Comm, GradSync, world
 from .data import ShardReader, load_manifest
 from .env import RankEnv, read_env, select_device
@@ -90,7 +91,7 @@ class DistributedOptimizer:
     def __init__(self, optimizer: Any, model: Any, *, bucket_mb: float = 25.0, overlap: bool | None = None,
                  compress: str = "none", hierarchical: bool = False, deterministic: bool = False,
                  loader: "ShardLoader | None" = None):
-        from .trainer import auto_overlap
+        from .step import auto_overlap
 
         ctx = init()
         self.optimizer = optimizer
@@ -238,29 +239,25 @@ class Checkpointer:
         self._installed = STOP.install()  # SIGTERM/SIGUSR2 set the flag (not in the main thread: left alone)
 
     def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None) -> dict[str, Any]:
-        from .trainer import _rng_state
-
         opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         return dict(model_state=model.state_dict(), train_state={"optimizer": opt.state_dict()},
-                    rank_state={"rng": _rng_state(), "loader": loader.state_dict() if loader else None},
+                    rank_state={"rng": rngstate.capture(), "loader": loader.state_dict() if loader else None},
                     meta={"world_size": init().world_size, "api": True})
 
     def restore(self, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> int:
         """Load the newest complete checkpoint of run_dir into model, optimizer (and loader); return its step."""
-        from .trainer import _load_checkpoint, _set_rng_state
-
         ctx = init()
         path = ckpt.latest(self.run_dir) if ctx.rank == 0 else None
         path = ctx.comm.bcast(str(path) if path else None)
         if path is None:
             return 0
-        state = _load_checkpoint(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
+        state = ckpt.load_broadcast(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
         model.load_state_dict(state["model"])
         opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         opt.load_state_dict(state["train"]["optimizer"])
         mine = state["ranks"][ctx.rank] if state["meta"]["world_size"] == ctx.world_size else None
         if mine is not None:
-            _set_rng_state(mine["rng"])
+            rngstate.restore(mine["rng"])
             if loader is not None and mine["loader"] is not None:
                 loader.load_state_dict(mine["loader"])
         self.manager.last_saved = int(state["meta"]["step"])
@@ -281,7 +278,7 @@ class Checkpointer:
 
 def param_hash(model: Any) -> str:
     """sha256 of the model's state: equal on every rank when they are in sync."""
-    from .trainer import param_sha256
+    from .step import param_sha256
 
     return param_sha256(model)
 

@@ -101,7 +101,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     import torch
 
     from .models import build_model
-    from .trainer import train_step
+    from .step import train_step
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
@@ -121,7 +121,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         device = select_device(env, torch.cuda.device_count())
         torch.cuda.set_device(device)
     if overlap is None:
-        from .trainer import auto_overlap
+        from .step import auto_overlap
 
         overlap = auto_overlap(env, torch.device(device).type)
     model = fresh_model().to(device)

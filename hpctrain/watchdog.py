@@ -64,10 +64,10 @@ class Watchdog:
             self._thread.start()
         return self
 
-    def phase(self, name: str, step: int, budget: float | None = None) -> None:
-        """Entering the wait `name` at `step`; it may take `budget` seconds (default: the collective
-        timeout; 0: unwatched)."""
-        self._step, self._since = step, time.time()
+    def phase(self, name: str, step: int | None = None, budget: float | None = None) -> None:
+        """Entering the wait `name` at `step` (None: the step of the last phase); it may take `budget`
+        seconds (default: the collective timeout; 0: unwatched)."""
+        self._step, self._since = self._step if step is None else step, time.time()
         self._budget = self.timeout if budget is None else budget
         self._phase = name
 

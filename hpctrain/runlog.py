@@ -1,0 +1,202 @@
+"""What a run writes as it goes, besides checkpoints: the metrics and audit sink.
+
+    RUN/metrics.jsonl          rank 0: one record per logged step (loss, lr, throughput, timing, validation)
+    RUN/logs/rank-NNNN.jsonl   every rank: its own step timing (compute, comm, data), for `hpctrain report`
+    RUN/samples/rank-NNNN.txt  with --audit-samples: `EPOCH SAMPLE_ID` per sample trained on
+    RUN/tensorboard/           with --tensorboard (rank 0)
+    RUN/logs/rank-NNNN.log     every rank's log (`setup_logging`)
+    RUN/config.toml            rank 0: the resolved config (`write_config`)
+and on rank 0 a progress bar on a terminal, or one plain line per logged step in a log file (Slurm).
+
+Only files: the reductions that make a record (loss over ranks, validation) are the trainer's. A resumed
+run first cuts every file back to the checkpoint's step (`prepare`), so nothing trained after the
+checkpoint, and redone now, appears twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import TrainConfig, write_toml
+from .durable import write_text
+from .progress import Progress
+
+
+def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
+    log = logging.getLogger(f"hpctrain.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank:04d}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    return log
+
+
+def close_logging(log: logging.Logger) -> None:
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
+
+
+def write_config(cfg: TrainConfig) -> None:
+    """The resolved config, as TOML beside the run: `hpctrain train --config RUN/config.toml` repeats it."""
+    write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_dict()))
+
+
+def prepare(cfg: TrainConfig, rank: int, world: int, step: int, audit_lines: dict[str, int] | None) -> None:
+    """Make the run's files describe steps 1..`step` only. `audit_lines`: the line count of every audit
+    file at the checkpoint (None: a fresh run, every file starts empty). Rank 0 owns the shared files."""
+    metrics, timing, audit_dir = cfg.run_dir / "metrics.jsonl", _timing_path(cfg.run_dir, rank), cfg.run_dir / "samples"
+    if audit_lines is not None:
+        if rank == 0:
+            _keep_steps(metrics, step)
+            for path in audit_dir.glob("rank-*.txt") if audit_dir.is_dir() else ():
+                if path.name in audit_lines:
+                    _keep_lines(path, audit_lines[path.name])
+                else:
+                    path.unlink()
+        _keep_steps(timing, step)
+    else:
+        for path in (metrics if rank == 0 else None, timing, _audit_path(cfg.run_dir, rank) if cfg.audit_samples else None):
+            if path is not None and path.exists():
+                path.unlink()
+    if rank == 0 and (cfg.run_dir / "summary.json").exists():
+        (cfg.run_dir / "summary.json").unlink()  # a summary always describes the run that wrote it
+    if cfg.audit_samples:
+        audit_dir.mkdir(parents=True, exist_ok=True)
+
+
+class RunLog:
+    """The open files of one rank's run and the window of steps since the last logged one."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, log: logging.Logger, stack: contextlib.ExitStack, *,
+                 total_steps: int, step: int):
+        self.cfg, self.rank, self.log, self.total_steps = cfg, rank, log, total_steps
+        self.metrics = stack.enter_context(open(cfg.run_dir / "metrics.jsonl", "a")) if rank == 0 else None
+        self.timing = stack.enter_context(open(_timing_path(cfg.run_dir, rank), "a"))
+        audit_path = _audit_path(cfg.run_dir, rank)
+        self.audit_lines = 0
+        if cfg.audit_samples and audit_path.exists():
+            with open(audit_path, "rb") as fh:
+                self.audit_lines = sum(1 for _ in fh)
+        self.audit = stack.enter_context(open(audit_path, "a")) if cfg.audit_samples else None
+        self.tb = None
+        if cfg.tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(cfg.run_dir / "tensorboard"), purge_step=step or None)
+            stack.callback(self.tb.close)
+        self.interactive = rank == 0 and cfg.progress and not cfg.json and sys.stderr.isatty()
+        self.bar = stack.enter_context(Progress(total_steps, "train", enabled=self.interactive, unit="steps"))
+        self.bar.update(step)
+        self.window = _Window()
+
+    def step(self, epoch: int, index: np.ndarray, loss: float, step_s: float, comm_s: float, data_s: float) -> None:
+        """One step of this rank: `index` the ids of its samples, `loss` their summed loss."""
+        n = len(index)
+        if self.audit is not None and n:
+            np.savetxt(self.audit, np.column_stack([np.full(n, epoch), index]), fmt="%d")
+            self.audit_lines += n
+        self.window.add(loss, n, step_s, comm_s, data_s)
+        self.bar.update(1, loss=f"{loss / max(1, n):.4f}", epoch=epoch)
+
+    def due(self, step: int, end_of_epoch: bool, last: bool) -> bool:
+        return step % self.cfg.log_every == 0 or end_of_epoch or last
+
+    def flush_audit(self) -> int:
+        """The audit file's line count, on disk (a checkpoint records it)."""
+        if self.audit is not None:
+            self.audit.flush()
+        return self.audit_lines
+
+    def write(self, step: int, epoch: int, loss_tot: float, n_tot: float, lr: float, extra: dict[str, float], *,
+              ended: float) -> None:
+        """Log the window that ended at time `ended` with `step` (`loss_tot`, `n_tot`: over all ranks; `extra`:
+        validation and epoch figures), then start a new one."""
+        w = self.window
+        record = {"step": step, "epoch": epoch, "loss": loss_tot / max(1.0, n_tot), "lr": lr,
+                  "samples_per_s": n_tot / max(ended - w.start, 1e-9),
+                  "step_ms": 1000 * w.step_s / w.steps, "comm_ms": 1000 * w.comm_s / w.steps,
+                  "data_ms": 1000 * w.data_s / w.steps, **extra}
+        self.timing.write(json.dumps({
+            "step": step, "epoch": epoch, "rank": self.rank, "step_ms": record["step_ms"],
+            "compute_ms": record["step_ms"] - record["comm_ms"], "comm_ms": record["comm_ms"],
+            "data_ms": record["data_ms"], "samples": int(w.n)}) + "\n")
+        self.timing.flush()
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        val = " ".join(f"{k} {v:.4f}" for k, v in extra.items() if k.startswith("val_"))
+        self.log.info("step %d epoch %d loss %.4f %s", step, epoch, record["loss"], val)
+        if self.tb is not None:
+            for key, value in record.items():
+                if key not in ("step", "epoch"):
+                    self.tb.add_scalar(key, value, step)
+        if self.rank == 0 and not self.interactive and not self.cfg.json:  # Slurm logs: a plain line per --log-every
+            shown = "".join(f"  {k} {extra[k]:.4f}" for k in ("val_loss", "val_accuracy") if k in extra)
+            print(f"epoch {epoch} step {step}/{self.total_steps}  loss {record['loss']:.4f}{shown}  "
+                  f"{record['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
+        self.window = _Window()
+
+    def last_epoch_loss(self, comm: Any) -> float | None:
+        """The last epoch_train_loss in metrics.jsonl (rank 0 reads, every rank gets it; a collective)."""
+        value = None
+        if self.rank == 0:
+            for line in (self.cfg.run_dir / "metrics.jsonl").read_text().splitlines():
+                value = json.loads(line).get("epoch_train_loss", value)
+        return comm.bcast(value)
+
+
+class _Window:
+    """Sums over the steps since the last logged one."""
+
+    __slots__ = ("loss", "n", "start", "step_s", "comm_s", "data_s", "steps")
+
+    def __init__(self) -> None:
+        self.loss = self.n = self.step_s = self.comm_s = self.data_s = 0.0
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: float, n: int, step_s: float, comm_s: float, data_s: float) -> None:
+        self.loss += loss
+        self.n += n
+        self.step_s += step_s
+        self.comm_s += comm_s
+        self.data_s += data_s
+        self.steps += 1
+
+
+def _timing_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "logs" / f"rank-{rank:04d}.jsonl"
+
+
+def _audit_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "samples" / f"rank-{rank:04d}.txt"
+
+
+def _keep_lines(path: Path, keep: int) -> None:
+    """Keep the first `keep` lines of a text file (drop what a resumed run will redo)."""
+    with open(path, "rb") as fh:
+        lines = fh.readlines()[:keep]
+    with open(path, "wb") as fh:
+        fh.writelines(lines)
+
+
+def _keep_steps(path: Path, last_step: int) -> None:
+    """Keep the JSON lines of steps up to `last_step`."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
