@@ -216,7 +216,8 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
             resume_path = _resolve_resume(cfg, warnings.append)
         except HpctrainError as exc:
             error = exc
-    watchdog.phase("start-up: rank 0 verifies the checkpoint", 0, budget=cfg.checkpoint_timeout)
+    # the others wait for rank 0's own work (hashing every byte): the checkpoint budget; rank 0 waits for nobody
+    watchdog.phase("start-up: rank 0 verifies the checkpoint", 0, budget=cfg.checkpoint_timeout if comm.rank else None)
     comm.agree(error if comm.rank == 0 else None)
     resume_path = comm.bcast(resume_path)
     watchdog.idle()
@@ -268,7 +269,7 @@ def _resume_point(cfg: TrainConfig, comm: Comm, shards: ShardSet, path: Path | N
     """Where to start: fresh, or the checkpoint at `path` (read on rank 0, broadcast)."""
     if path is None:
         return Start()
-    watchdog.phase("loading the checkpoint", 0, budget=cfg.checkpoint_timeout)
+    watchdog.phase("loading the checkpoint", 0, budget=cfg.checkpoint_timeout if comm.rank else None)
     state = ckpt.load_broadcast(path, comm, verified=True)
     watchdog.idle()
     meta = state["meta"]

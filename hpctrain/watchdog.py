@@ -111,22 +111,53 @@ class Watchdog:
                 waiting.append(f"rank {r} (at step {beat['step']}, {beat['phase'] or 'computing'})")
         return waiting
 
+    def _silent(self, now: float, longer_than: float) -> list[str]:
+        """Ranks whose heartbeat stopped more than `longer_than` seconds ago: stopped, dead, or stuck with the
+        interpreter held (a rank that is only slow, e.g. writing to a slow filesystem, still beats)."""
+        silent = []
+        for r in range(self.world):
+            try:
+                beat = json.loads((self.dir / f"rank-{r:04d}.heartbeat").read_text()) if r != self.rank else None
+            except (OSError, ValueError):
+                continue  # no heartbeat yet: cannot judge
+            if beat is not None and now - beat["time"] > longer_than:
+                silent.append(f"rank {r} (silent for {now - beat['time']:.0f} s: dead or stuck, last at step "
+                              f"{beat['step']})")
+        return silent
+
     def _run(self) -> None:
+        next_look = 0.0
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
             except OSError:
                 pass
             phase, budget = self._phase, self._budget
-            waited = time.time() - self._since
-            if phase is None or budget <= 0 or waited <= budget:
+            now = time.time()
+            waited = now - self._since
+            if phase is None:
                 continue
-            others = self._others(time.time()) or ["no rank found behind: a network or MPI problem"]
-            option = "--collective-timeout" if budget == self.timeout else "its budget,"
-            self.fired = (f"rank {self.rank}: {phase} at step {self._step} has waited {waited:.0f} s (over "
-                          f"{option} {budget:g} s) for {', '.join(others)}; aborting the job")
-            print(f"error: {self.fired}", file=sys.stderr, flush=True)
-            if self.log is not None:
-                self.log(self.fired)
-            self.abort(1)
-            return
+            if budget > 0 and waited > budget:
+                others = self._others(now) or ["no rank found behind: a network or MPI problem"]
+                option = "--collective-timeout" if budget == self.timeout else "its budget,"
+                self._fire(f"rank {self.rank}: {phase} at step {self._step} has waited {waited:.0f} s (over "
+                           f"{option} {budget:g} s) for {', '.join(others)}; aborting the job")
+                return
+            # A long wait within a longer budget (a checkpoint write) is fine while every rank still beats; one
+            # that went silent for longer than the collective timeout will never come. Looked at every 5 s only,
+            # and only in such waits: W ranks reading W heartbeat files is not free on a parallel filesystem.
+            if (self.dir is not None and 0 < self.timeout < waited and (budget <= 0 or budget > self.timeout)
+                    and now >= next_look):
+                next_look = now + 5 * self.interval
+                silent = self._silent(now, self.timeout)
+                if silent:
+                    self._fire(f"rank {self.rank}: {phase} at step {self._step} has waited {waited:.0f} s for "
+                               f"{', '.join(silent)} (over --collective-timeout {self.timeout:g} s); aborting the job")
+                    return
+
+    def _fire(self, message: str) -> None:
+        self.fired = message
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if self.log is not None:
+            self.log(message)
+        self.abort(1)

@@ -144,3 +144,32 @@ def test_watchdog_leaves_unwatched_work_alone_and_budgets_each_phase() -> None:
         assert aborted == [1] and "gradient allreduce at step 6" in (dog.fired or "")
     finally:
         dog.close()
+
+
+def test_watchdog_ends_a_long_budgeted_wait_once_a_rank_goes_silent(tmp_path: Path) -> None:
+    """A checkpoint write may take its long budget while the writer still beats; a rank that stopped beating
+    (SIGSTOP, dead) for longer than the collective timeout will never come, whatever the phase's budget."""
+    import json as _json
+
+    (tmp_path / "logs").mkdir()
+    beat = tmp_path / "logs" / "rank-0001.heartbeat"
+
+    def peer(at: float) -> None:
+        beat.write_text(_json.dumps({"rank": 1, "step": 5, "phase": "checkpoint write", "since": at, "time": at,
+                                     "pid": 0}))
+
+    aborted: list[int] = []
+    dog = Watchdog(tmp_path, 0, 2, timeout=0.5, abort=aborted.append, interval=0.1).start()
+    try:
+        dog.phase("checkpoint write", 5, budget=60.0)
+        for _ in range(15):  # a slow but live peer: beats every 0.1 s
+            peer(time.time())
+            time.sleep(0.1)
+        assert aborted == []
+        peer(time.time())  # then it goes silent
+        deadline = time.monotonic() + 5
+        while not aborted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert aborted == [1] and "rank 1 (silent for" in (dog.fired or ""), dog.fired
+    finally:
+        dog.close()
