@@ -72,6 +72,8 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
     stops = 0
     deadline: float | None = None  # when the job is ended hard
     hard = False
+    stalled_since: float | None = None
+    next_look = 0.0
 
     def forward(signum: int, frame: object) -> None:
         nonlocal stops, deadline
@@ -90,8 +92,21 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
                 return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
             except subprocess.TimeoutExpired:
                 pass
+            now = time.monotonic()
+            if now >= next_look:  # once a second: ranks stopped (SIGSTOP) while the others have exited?
+                next_look = now + 1.0
+                ranks = children_states(proc.pid)  # fewer than n: some have exited
+                stalled = 0 < len(ranks) < n and all(st == "T" for st in ranks.values())
+                stalled_since = (stalled_since or now) if stalled else None
+                if stalled_since is not None and now - stalled_since > grace and not hard:
+                    print(f"hpctrain launch: rank process(es) {sorted(ranks)} stopped (SIGSTOP) for {grace:g} s while "
+                          "the other ranks have exited; ending the job", file=sys.stderr, flush=True)
+                    hard, deadline = True, now
             if deadline is not None and time.monotonic() >= deadline:
-                if not hard:
+                if stalled_since is not None:  # a stopped rank: SIGTERM would wait for it, end it now
+                    kill_tree(proc.pid)
+                    deadline = None
+                elif not hard:
                     print(f"hpctrain launch: the job did not stop within {grace:g} s of the stop signal (or a "
                           "second signal came); ending it now", file=sys.stderr, flush=True)
                     _send(proc.pid, signal.SIGTERM)
@@ -114,9 +129,9 @@ def _send(pid: int, sig: int) -> None:
         pass
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process under `pid` (children, grandchildren, ...), read from /proc."""
-    children: dict[int, list[int]] = {}
+def _processes() -> dict[int, tuple[int, str]]:
+    """{pid: (parent pid, state letter)} of every process, read from /proc."""
+    table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -125,14 +140,31 @@ def descendants(pid: int) -> list[int]:
                 stat = fh.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+        fields = stat[stat.rindex(b")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), fields[0].decode())
+    return table
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in _processes().items():
+        children.setdefault(parent, []).append(child)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
     return out
+
+
+def children_states(pid: int) -> dict[int, str]:
+    """The live direct children of `pid` (mpirun's: the ranks on this node) and their state letter.
+
+    A rank in state T was stopped (SIGSTOP) and goes on only if someone continues it. Stopped while the
+    other ranks have already exited (it passed MPI_Finalize, so no peer's watchdog or deadline is left to
+    notice), it would keep mpirun, and the job, waiting forever: the launcher ends such a job."""
+    return {child: state for child, (parent, state) in _processes().items() if parent == pid and state != "Z"}
 
 
 def kill_tree(pid: int) -> None:

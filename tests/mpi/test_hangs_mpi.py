@@ -121,3 +121,16 @@ def test_stop_signal_ends_a_job_whose_rank_is_stuck(digits2: Path, tmp_path: Pat
             from hpctrain.launch import kill_tree
             kill_tree(proc.pid)
             proc.wait()
+
+
+def test_a_rank_stopped_after_the_others_exited_does_not_hold_the_job(tmp_path: Path) -> None:
+    """Rank 1 stops itself while rank 0 exits: nothing inside the job can notice any more (its peers are
+    gone), and mpirun would wait for it forever. The launcher ends the job `--grace` seconds later."""
+    code = ("import os, signal\n"
+            "if os.environ['OMPI_COMM_WORLD_RANK'] == '1':\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    start = time.monotonic()
+    proc = subprocess.run([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--grace", "2", "--", PYTHON, "-c", code],
+                          env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode != 0 and "stopped (SIGSTOP)" in proc.stderr, (proc.returncode, proc.stderr)
