@@ -66,6 +66,8 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
     which forwards it). A job that has not ended `grace` seconds later, or a second signal, ends it now:
     SIGTERM to mpirun (which kills the ranks), and KILL_AFTER_S later SIGKILL to mpirun and every process
     under it. So a stop always ends the job, even one whose ranks hang."""
+    if not grace >= 0:
+        raise ConfigError(f"--grace {grace} must be zero or more seconds, e.g. --grace 20")
     argv, env = build_command(n, command, mpirun=find_mpirun(), cpus=read_env().cpus_available,
                               is_root=os.geteuid() == 0, extra=extra)
     proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)

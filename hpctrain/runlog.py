@@ -55,7 +55,7 @@ def write_config(cfg: TrainConfig) -> None:
     write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_dict()))
 
 
-def prepare(cfg: TrainConfig, rank: int, world: int, step: int, audit_lines: dict[str, int] | None) -> None:
+def prepare(cfg: TrainConfig, rank: int, step: int, audit_lines: dict[str, int] | None) -> None:
     """Make the run's files describe steps 1..`step` only. `audit_lines`: the line count of every audit
     file at the checkpoint (None: a fresh run, every file starts empty). Rank 0 owns the shared files."""
     metrics, timing, audit_dir = cfg.run_dir / "metrics.jsonl", _timing_path(cfg.run_dir, rank), cfg.run_dir / "samples"

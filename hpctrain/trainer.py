@@ -127,7 +127,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     start = _resume_point(cfg, comm, shards, resume_path, watchdog)
     run = _build(cfg, comm, env, log, watchdog, shards, model, device, start, stack)
     audit_lines = _restore(run) if start.state is not None else None
-    runlog.prepare(cfg, comm.rank, comm.size, start.step, audit_lines)
+    runlog.prepare(cfg, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up barrier", start.step)
     comm.barrier()
     watchdog.idle()

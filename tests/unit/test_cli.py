@@ -62,6 +62,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--data", "{data}", "--run-dir", "{run}", "--checkpoint-every", "often"], "--checkpoint-every"),
         (["--data", "{data}", "--run-dir", "{run}", "--accumulate", "0"], "--accumulate"),
         (["--data", "{data}", "--run-dir", "{run}", "--collective-timeout", "-5"], "--collective-timeout"),
+        (["--data", "{data}", "--run-dir", "{run}", "--checkpoint-timeout", "-1"], "--checkpoint-timeout"),
         (["--data", "{data}", "--run-dir", "{run}", "--bucket-mb", "0"], "--bucket-mb"),
         (["--data", "{data}", "--run-dir", "{run}", "--tensorboard"], "tensorboard"),
     ],
@@ -95,6 +96,11 @@ def test_launch_needs_a_command() -> None:
 def test_launch_rejects_zero_ranks() -> None:
     result = runner.invoke(app, ["launch", "-n", "0", "--", "hostname"])
     assert result.exit_code == 2 and "-n 0" in result.output
+
+
+def test_launch_rejects_a_negative_grace() -> None:
+    result = runner.invoke(app, ["launch", "-n", "2", "--grace", "-1", "--", "hostname"])
+    assert result.exit_code == 2 and "--grace -1" in result.output
 
 
 def test_launch_builds_the_mpirun_command() -> None:
