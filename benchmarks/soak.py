@@ -83,7 +83,8 @@ def print_report(outcomes: list[Outcome], errors: list[str], stray: list[str], s
           f"max {max(seconds, default=0):.1f} s): {sums['passed']} passed, {sums['failed']} failed; "
           f"hangs {sums['hangs']}, unexpected exit codes {sums['unexpected_exit_codes']}, "
           f"hash mismatches {sums['hash_mismatches']}, step mismatches {sums['step_mismatches']}, "
-          f"left processes {sums['left_processes']}, harness errors {len(errors)}")
+          f"left processes {sums['left_processes']}, harness errors {len(errors)}; "
+          f"ended by a signal no process could see yet (expected, resumed exactly) {sums['ended_by_an_unheld_signal']}")
     if stray:
         print(f"STRAY PROCESSES after the soak: {stray}")
     for error in errors:

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from .env import read_env
 from .errors import ConfigError, HpctrainError
+from .stop import FLAG, STOP_EXIT, block_prefix
 
 # hpctrain subcommands: a COMMAND starting with one of these runs as `python -m hpctrain ...`.
 SUBCOMMANDS = ("train", "shard", "verify", "doctor", "bench", "report")
@@ -28,8 +29,12 @@ KILL_AFTER_S = 5.0  # after SIGTERM to mpirun, how long before everything left i
 
 
 def build_command(n: int, command: Sequence[str], *, mpirun: str, cpus: int, is_root: bool,
-                  python: str = sys.executable, extra: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
-    """The mpirun argument list and the extra environment for `n` ranks of `command` (a pure function)."""
+                  python: str = sys.executable, extra: Sequence[str] = (),
+                  block: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """The mpirun argument list and the extra environment for `n` ranks of `command` (a pure function).
+
+    An hpctrain subcommand runs behind `block` (`stop.block_prefix()`): it starts with the stop signals
+    blocked, so one that mpirun forwards while the rank's interpreter starts is pending, not fatal."""
     if n < 1:
         raise ConfigError(f"-n {n} must be at least 1 rank")
     if not command:
@@ -39,7 +44,7 @@ def build_command(n: int, command: Sequence[str], *, mpirun: str, cpus: int, is_
         argv.append("--oversubscribe")
     argv += list(extra)
     if command[0] in SUBCOMMANDS:
-        argv += [python, "-m", "hpctrain", *command]
+        argv += [*block, python, "-m", "hpctrain", *command]
     else:
         argv += list(command)
     env = {}
@@ -69,26 +74,35 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
     if not grace >= 0:
         raise ConfigError(f"--grace {grace} must be zero or more seconds, e.g. --grace 20")
     argv, env = build_command(n, command, mpirun=find_mpirun(), cpus=read_env().cpus_available,
-                              is_root=os.geteuid() == 0, extra=extra)
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+                              is_root=os.geteuid() == 0, extra=extra, block=block_prefix())
     stops = 0
     deadline: float | None = None  # when the job is ended hard
+    to_forward = False  # a stop waits for mpirun to catch SIGUSR2 (its default action would kill it)
     hard = False
     stalled_since: float | None = None
     next_look = 0.0
 
     def forward(signum: int, frame: object) -> None:
-        nonlocal stops, deadline
+        nonlocal stops, deadline, to_forward
         stops += 1
         if stops == 1:
-            _send(proc.pid, signal.SIGUSR2)
+            to_forward = True
             deadline = time.monotonic() + grace
         else:
             deadline = time.monotonic()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    if FLAG.requested or stops:  # stopped while this process started (held by FLAG): the job never starts
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print("hpctrain launch: a stop signal came before the job started; nothing was run", file=sys.stderr, flush=True)
+        return STOP_EXIT
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
     try:
         while True:
+            if to_forward and catches(proc.pid, signal.SIGUSR2):
+                to_forward = False
+                _send(proc.pid, signal.SIGUSR2)
             try:
                 code = proc.wait(timeout=0.2)
                 return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
@@ -145,6 +159,19 @@ def _processes() -> dict[int, tuple[int, str]]:
         fields = stat[stat.rindex(b")") + 2:].split()
         table[int(entry)] = (int(fields[1]), fields[0].decode())
     return table
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` now (its SigCgt mask in /proc): a program that has not yet
+    installed one would die of a signal whose default action is to terminate."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except OSError:
+        pass
+    return False
 
 
 def descendants(pid: int) -> list[int]:

@@ -11,6 +11,7 @@ action of SIGUSR2 is to terminate).
 from __future__ import annotations
 
 import faulthandler
+import functools
 import math
 import signal
 import sys
@@ -57,6 +58,30 @@ class StopFlag:
 
 
 FLAG = StopFlag()
+
+
+def unblock() -> None:
+    """Let the stop signals in. A process started through `block_prefix()` holds them blocked, pending and not
+    lost, from before its exec; once its handler is in, this delivers what came meanwhile to the handler."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@functools.cache
+def block_prefix() -> tuple[str, ...]:
+    """The argument list prefix that starts a program with the stop signals blocked across exec (GNU env,
+    coreutils >= 8.31), or () where `env` cannot (the program then has a few milliseconds of start-up in which
+    a stop signal ends it by default). A Python process started so calls `unblock()` once its handler is in:
+    `python -m hpctrain` does."""
+    import shutil  # here, not at the top: this module is imported first thing at start-up, and must be quick
+    import subprocess
+
+    env = shutil.which("env")
+    block = ("--block-signal=" + ",".join(sig.name.removeprefix("SIG") for sig in STOP_SIGNALS),)
+    try:
+        ok = env is not None and subprocess.run([env, *block, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return (env, *block) if ok else ()
 
 
 def deadline(seconds: float) -> None:

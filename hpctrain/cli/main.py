@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from ..stop import FLAG, finishing
+from ..stop import FLAG, finishing, unblock
 from . import bench, container, doctor, launch, report, shard, submit, train
 
 app = typer.Typer(
@@ -31,8 +31,9 @@ app.add_typer(bench.app, name="bench")
 def main() -> None:
     """The process entry (console script and `python -m hpctrain`)."""
     training = sys.argv[1:2] == ["train"]
-    if training:  # a stop during start-up is kept for the first step boundary
-        FLAG.install()
+    if training or sys.argv[1:2] == ["launch"]:  # a stop during start-up is kept: for the first step boundary,
+        FLAG.install()  # or, in the launcher, to end the job before it starts
+    unblock()
     try:
         app(prog_name="hpctrain")
     finally:

@@ -9,7 +9,10 @@ contract (README "Checkpoints and restart", "Hangs and failures", CONTRACT.md):
 
 - no event: exit 0, summary `steps` = the expected total, `ranks_in_sync`;
 - SIGTERM/SIGUSR2 (launcher or a rank): exit 3 (stopped, checkpoint written) or 0 (already finished)
-  within 30 s of the signal; never killed by the signal;
+  within 30 s of the signal; never killed by the signal, unless it reached a process that at that instant
+  neither blocked nor caught it (its SigBlk/SigCgt in /proc, read just before sending): the first
+  milliseconds of the launcher's interpreter, or of a rank's `env` wrapper before it blocks the signals.
+  No program can see a signal then; the default action ends it, and the resume below must still be exact;
 - `kill -9` of a rank: non-zero exit within 30 s (0 if it had already finished);
 - SIGSTOP of a rank: non-zero exit within `--collective-timeout` + 30 s (0 if it had already finished);
 - after any non-zero exit, the same command again (`--resume auto`) exits 0 with the expected `steps` and
@@ -305,6 +308,18 @@ def rank_processes(procs: dict[int, Proc]) -> dict[int, Proc]:
     return ranks
 
 
+def holds(pid: int, sig: int) -> bool:
+    """Whether `pid` blocks or catches `sig` now (SigBlk | SigCgt in /proc/PID/status)."""
+    masks = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("SigBlk:", "SigCgt:")):
+                masks |= int(line.split()[1], 16)
+    except OSError:
+        return True
+    return bool(masks >> (sig - 1) & 1)
+
+
 def send(pid: int, sig: int) -> bool:
     try:
         os.kill(pid, sig)
@@ -419,6 +434,7 @@ class RunResult:
     summary_at_s: float | None = None  # when summary.json appeared: training, validation and final save done
     plan: EventPlan | None = None
     event_delivered: bool = False
+    event_unheld: bool = False  # the target neither blocked nor caught the signal when it was sent
     event_at_s: float | None = None
     event_pid: int | None = None
     moment: str = ""
@@ -429,9 +445,8 @@ class RunResult:
     def exit_label(self) -> str:
         if self.hung:
             return "HANG"
-        if self.rc is not None and self.rc < 0:
-            return signal.Signals(-self.rc).name
-        return str(self.rc)
+        label = signal.Signals(-self.rc).name if self.rc is not None and self.rc < 0 else str(self.rc)
+        return label + ("(unheld)" if self.event_unheld and self.rc not in (0, 3) else "")
 
 
 def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadline_s: float, token: str,
@@ -472,6 +487,7 @@ def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadlin
                 pid = proc.pid if plan.target_rank is None else getattr(rank_processes(procs).get(plan.target_rank), "pid", None)
                 if pid is not None:  # a rank not started yet is waited for
                     result.moment = moment(run_dir, now - start, result.train_start_s, expected_steps)
+                    result.event_unheld = not holds(pid, SIGNALS[plan.event.split("-")[0]])
                     result.event_delivered = send(pid, SIGNALS[plan.event.split("-")[0]])
                     result.event_at_s, result.event_pid = now - start, pid
                     if plan.event == "stop-rank":
@@ -678,7 +694,10 @@ def check_ended(run: RunResult, case: Case) -> list[Failure]:
     if run.leftovers:
         failures.append(Failure("leftover", f"{run.name}: processes left behind after exit: {'; '.join(run.leftovers)}"))
     event = case.event if run.event_delivered else "none"
-    allowed = {"none": {0}, "term": {0, 3}, "usr2": {0, 3}}.get(event.split("-")[0])
+    kind = event.split("-")[0]
+    allowed = {"none": {0}, "term": {0, 3}, "usr2": {0, 3}}.get(kind)
+    if allowed is not None and kind != "none" and run.event_unheld:  # nothing could see it: the default action
+        allowed = allowed | {-SIGNALS[kind], 128 + SIGNALS[kind]}
     if allowed is not None and run.rc not in allowed:
         failures.append(Failure("exit", f"{run.name}: exit {run.exit_label()} after {case.event_label() if event != 'none' else 'no event'}"
                                         f" (expected {' or '.join(map(str, sorted(allowed)))}); stderr: {last_line(run.stderr_tail)}"))
@@ -814,7 +833,8 @@ def totals(outcomes: list[Outcome]) -> dict[str, int]:
 
     return {"cases": len(outcomes), "passed": sum(o.passed for o in outcomes), "failed": sum(not o.passed for o in outcomes),
             "hangs": count("hang"), "unexpected_exit_codes": count("exit"), "hash_mismatches": count("hash"),
-            "step_mismatches": count("steps"), "ranks_out_of_sync": count("sync"), "left_processes": count("leftover")}
+            "step_mismatches": count("steps"), "ranks_out_of_sync": count("sync"), "left_processes": count("leftover"),
+            "ended_by_an_unheld_signal": sum(any(r.event_unheld and r.rc not in (0, 3) for r in o.runs) for o in outcomes)}
 
 
 def repro_command(case: Case, deadline_s: float | None = None) -> str:

@@ -94,6 +94,13 @@ def _rank_pids(launcher: int) -> list[int]:
     return pids
 
 
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return "/env"
+
+
 def test_stop_signal_ends_a_job_whose_rank_is_stuck(digits2: Path, tmp_path: Path) -> None:
     """SIGTERM to the launcher while one rank is stopped (SIGSTOP: stuck, it can never agree to stop): the
     launcher ends the job itself `--grace` seconds later. It used to wait forever."""
@@ -134,3 +141,52 @@ def test_a_rank_stopped_after_the_others_exited_does_not_hold_the_job(tmp_path: 
                           env=mpi_env(), capture_output=True, text=True, timeout=60)
     assert time.monotonic() - start < 30
     assert proc.returncode != 0 and "stopped (SIGSTOP)" in proc.stderr, (proc.returncode, proc.stderr)
+
+
+def test_a_stop_in_a_rank_s_first_milliseconds_is_kept_not_fatal(digits2: Path, tmp_path: Path) -> None:
+    """SIGTERM to a rank the moment it exists, while its interpreter starts and long before it could install a
+    handler: the rank starts with the stop signals blocked (pending, not lost) and takes them once its handler
+    is in, so the job stops at its first step boundary with exit 3. It used to die of the signal (143)."""
+    run = tmp_path / "r"
+    proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--data", str(digits2),
+                             "--run-dir", str(run), "--epochs", "500"],
+                            env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        ranks: list[int] = []
+        while not ranks and time.monotonic() < deadline:  # a rank whose Python has just begun (no longer `env`)
+            ranks = [pid for pid in _rank_pids(proc.pid) if not _exe(pid).endswith("/env")]
+        assert ranks, "no rank started within 30 s"
+        os.kill(ranks[0], signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 3, (proc.returncode, err[-2000:])
+        assert "stopped by SIGTERM at step" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            from hpctrain.launch import kill_tree
+            kill_tree(proc.pid)
+            proc.wait()
+
+
+def test_a_stop_while_the_launcher_starts_ends_the_job_before_it_begins(digits2: Path, tmp_path: Path) -> None:
+    """SIGTERM to `hpctrain launch` as soon as it holds the signal (its first lines, before mpirun exists): the
+    launcher starts nothing and exits 3. Before, the signal came either before any handler (death by it), or
+    just as mpirun started, which then died of the forwarded SIGUSR2 before it could catch it."""
+    from hpctrain.launch import catches
+
+    run = tmp_path / "r"
+    proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--data", str(digits2),
+                             "--run-dir", str(run)], env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 3, (proc.returncode, err[-2000:])
+        assert "before the job started" in err and not run.exists(), err
+    finally:
+        if proc.poll() is None:
+            from hpctrain.launch import kill_tree
+            kill_tree(proc.pid)
+            proc.wait()

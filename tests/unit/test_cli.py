@@ -112,3 +112,27 @@ def test_launch_builds_the_mpirun_command() -> None:
     assert env == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     argv, env = build_command(2, ["hostname"], mpirun="mpirun", cpus=2, is_root=False)
     assert argv == ["mpirun", "-n", "2", "--bind-to", "none", "hostname"] and env == {}
+    # hpctrain ranks start with the stop signals blocked; any other program is started as it is
+    block = ("env", "--block-signal=TERM,USR2")
+    argv, _ = build_command(2, ["train"], mpirun="mpirun", cpus=2, is_root=False, python="py", block=block)
+    assert argv[-6:] == [*block, "py", "-m", "hpctrain", "train"]
+    argv, _ = build_command(2, ["hostname"], mpirun="mpirun", cpus=2, is_root=False, block=block)
+    assert argv[-1] == "hostname" and "env" not in argv
+
+
+def test_block_prefix_blocks_the_stop_signals_across_exec() -> None:
+    import signal
+    import subprocess
+
+    from hpctrain.launch import catches
+    from hpctrain.stop import block_prefix
+
+    out = subprocess.run([*block_prefix(), "grep", "SigBlk", "/proc/self/status"], capture_output=True, text=True)
+    mask = int(out.stdout.split()[1], 16)
+    assert mask >> (signal.SIGTERM - 1) & 1 and mask >> (signal.SIGUSR2 - 1) & 1, out.stdout
+    sleeper = subprocess.Popen(["sleep", "5"])
+    try:
+        assert not catches(sleeper.pid, signal.SIGTERM)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
