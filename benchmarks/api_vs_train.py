@@ -28,7 +28,7 @@ def worker(data: str, steps: int, scaled: bool) -> None:
     import torch
 
     import hpctrain
-    from hpctrain.models import build_model
+    from hpctrain.compute.models import build_model
 
     ctx = hpctrain.init()
     torch.manual_seed(0)

@@ -39,7 +39,7 @@ def run(data: Path, run_dir: Path, every: int, steps: int, optimizer: str = "sgd
 def torch_save_ms(optimizer: str = "sgd") -> float:
     import torch
 
-    from hpctrain.models import build_model
+    from hpctrain.compute.models import build_model
 
     torch.set_num_threads(1)
     model = build_model("mlp:2048,2048", (784,), 10)

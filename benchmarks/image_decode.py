@@ -51,8 +51,8 @@ def make_jpegs(out: Path, count: int, size: tuple[int, int] = (160, 120), seed: 
 
 def decode_once(source: str, workers: int, extra: dict) -> float:
     """Seconds for `open_source` alone: header scan and the checking decode of every image."""
-    from hpctrain.config import ShardConfig
-    from hpctrain.imagesources import open_source
+    from hpctrain.base.config import ShardConfig
+    from hpctrain.data.imagesources import open_source
 
     t0 = time.perf_counter()
     open_source(source, ShardConfig(source=source, out=Path("unused"), workers=workers, **extra)).close()
@@ -61,8 +61,8 @@ def decode_once(source: str, workers: int, extra: dict) -> float:
 
 def shard_once(source: str, out: Path, workers: int, extra: dict) -> float:
     """Seconds for the whole `hpctrain shard`: listing, scan, decode, HDF5 write and hashes."""
-    from hpctrain.config import ShardConfig
-    from hpctrain.sharding import shard
+    from hpctrain.base.config import ShardConfig
+    from hpctrain.data.sharding import shard
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from hpctrain import imagesources
+    from hpctrain.data import imagesources
 
     if args.stream:
         imagesources._KEEP_BYTES = 0

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpctrain.slurm import SubmitConfig, job_status, read_record, submit
+from hpctrain.tools.slurm import SubmitConfig, job_status, read_record, submit
 
 ROOT = Path(__file__).resolve().parents[1]
 

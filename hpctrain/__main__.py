@@ -1,6 +1,6 @@
 import sys
 
-from .stop import FLAG, unblock  # first, and cheap: a stop during start-up is kept, not fatal
+from .base.stop import FLAG, unblock  # first, and cheap: a stop during start-up is kept, not fatal
 
 if sys.argv[1:2] in (["train"], ["launch"]):
     FLAG.install()

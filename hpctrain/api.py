@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import checkpoint as ckpt
-from . import rngstate
-from .comm import Comm, GradSync, world
-from .data import ShardReader, load_manifest
-from .env import RankEnv, read_env, select_device
-from .errors import ConfigError
-from .stop import FLAG as STOP
+from .control import checkpoint as ckpt
+from .control import rngstate
+from .comm.core import Comm, GradSync, world
+from .data.reader import ShardReader, load_manifest
+from .base.rankenv import RankEnv, read_env, select_device
+from .base.errors import ConfigError
+from .base.stop import FLAG as STOP
 
 _CONTEXT: "Context | None" = None
 
@@ -91,7 +91,7 @@ class DistributedOptimizer:
     def __init__(self, optimizer: Any, model: Any, *, bucket_mb: float = 25.0, overlap: bool | None = None,
                  compress: str = "none", hierarchical: bool = False, deterministic: bool = False,
                  loader: "ShardLoader | None" = None):
-        from .step import auto_overlap
+        from .control.step import auto_overlap
 
         ctx = init()
         self.optimizer = optimizer
@@ -278,7 +278,7 @@ class Checkpointer:
 
 def param_hash(model: Any) -> str:
     """sha256 of the model's state: equal on every rank when they are in sync."""
-    from .step import param_sha256
+    from .control.step import param_sha256
 
     return param_sha256(model)
 

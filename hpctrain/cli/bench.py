@@ -15,8 +15,8 @@ app = typer.Typer(help="Measure allreduce bandwidth and training step time.", no
 
 def _relaunch(n: int) -> None:
     """Started without a launcher and asked for n > 1 ranks: run this same command under `hpctrain launch`."""
-    from ..env import read_env
-    from ..launch import launch
+    from ..base.rankenv import read_env
+    from ..tools.launch import launch
 
     if n > 1 and not read_env().under_launcher:
         argv = sys.argv[1:]
@@ -47,8 +47,8 @@ def allreduce(
     Example: hpctrain bench allreduce -n 2 --sizes 4K,1M,16M --json
     """
     _relaunch(n)
-    from ..bench import bench_allreduce, parse_size
-    from ..comm import world
+    from ..tools.bench import bench_allreduce, parse_size
+    from ..comm.core import world
 
     result = bench_allreduce(world(), [parse_size(s) for s in sizes.split(",") if s.strip()], bucket_mb=bucket_mb)
     if not is_rank0():
@@ -84,8 +84,8 @@ def train(
     Example: hpctrain bench train -n 2 --baseline ddp --json
     """
     _relaunch(n)
-    from ..bench import bench_train
-    from ..comm import world
+    from ..tools.bench import bench_train
+    from ..comm.core import world
 
     result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
                          rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=compress,
@@ -123,9 +123,9 @@ def data(
     Example: hpctrain bench data data/ --json
     """
     _relaunch(n)
-    from ..bench import bench_data
-    from ..comm import Comm, world
-    from ..env import read_env
+    from ..tools.bench import bench_data
+    from ..comm.core import Comm, world
+    from ..base.rankenv import read_env
 
     comm = world() if read_env().under_launcher else Comm(None)
     result = bench_data(comm, directory, batch_size=batch_size, epochs=epochs, shuffle=shuffle)

@@ -8,8 +8,8 @@ from typing import Any, Callable, TypeVar
 
 import typer
 
-from ..env import read_env
-from ..errors import HpctrainError
+from ..base.rankenv import read_env
+from ..base.errors import HpctrainError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

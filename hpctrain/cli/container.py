@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..containers import MODES, MPI_ABIS, ContainerConfig
+from ..tools.containers import MODES, MPI_ABIS, ContainerConfig
 from .common import handle_errors
 
 app = typer.Typer(
@@ -47,7 +47,7 @@ def recipe(
 
     Example: hpctrain container recipe --mode hybrid -o hpctrain.def
     """
-    from ..containers import render_recipe
+    from ..tools.containers import render_recipe
 
     cfg = ContainerConfig(mode=mode, mpi_abi=mpi_abi, cuda=cuda, devel_digest=devel_digest,
                           runtime_digest=runtime_digest, openmpi=openmpi, ucx=ucx, pmix=pmix, gdrcopy=gdrcopy,
@@ -78,7 +78,7 @@ def build(
 
     Example: hpctrain container build containers/hpctrain-hybrid.def -o hpctrain.sif --fakeroot
     """
-    from ..containers import build as run_build
+    from ..tools.containers import build as run_build
 
     image = output if output is not None else Path(definition.stem + ".sif")
     run_build(definition, image, fakeroot=fakeroot, force=force, nv=nv)

@@ -22,7 +22,7 @@ def doctor(
 
     Example: srun --mpi=pmix -n 2 hpctrain doctor --json
     """
-    from ..doctor import doctor as run, format_report
+    from ..tools.doctor import doctor as run, format_report
 
     report = run()
     if is_rank0():

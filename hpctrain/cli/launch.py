@@ -19,6 +19,6 @@ def launch(
 
     Example: hpctrain launch -n 2 -- train --data data/ --run-dir runs/a
     """
-    from ..launch import launch as run
+    from ..tools.launch import launch as run
 
     raise typer.Exit(run(n, command, grace=grace))

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from ..stop import FLAG, finishing, unblock
+from ..base.stop import FLAG, finishing, unblock
 from . import bench, container, doctor, launch, report, shard, submit, train
 
 app = typer.Typer(

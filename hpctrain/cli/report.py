@@ -22,7 +22,7 @@ def report(
 
     Example: hpctrain report runs/a -o runs/a/report
     """
-    from ..report import report as write_report
+    from ..tools.report import report as write_report
 
     written = write_report(run, out)
     print(f"wrote {written['report']} and {len(written) - 1} plots in {written['report'].parent}")

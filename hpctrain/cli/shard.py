@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..config import ShardConfig
+from ..base.config import ShardConfig
 from .common import fail, handle_errors, is_rank0
 
 
@@ -35,7 +35,7 @@ def shard(
 
     Example: hpctrain shard digits data/ --shards 2
     """
-    from ..sharding import shard as write_shards
+    from ..data.sharding import shard as write_shards
 
     cfg = ShardConfig(source=source, out=out, shards=shards, val_fraction=val_fraction, seed=seed,
                       compression=compression, chunk_rows=chunk_rows, normalize=normalize, force=force, image_size=image_size,
@@ -61,7 +61,7 @@ def verify(
 
     Example: hpctrain verify data/
     """
-    from ..data import load_manifest, verify as check
+    from ..data.reader import load_manifest, verify as check
 
     problems = check(out, quick=quick, show_progress=True)
     if problems:

@@ -41,7 +41,7 @@ def submit(
 
     Example: hpctrain submit --nodes 2 --gpus 4 --time 120 -- train --data data/ --run-dir runs/a
     """
-    from ..slurm import SubmitConfig, render_sbatch, submit as run_submit, wait as run_wait, exit_code
+    from ..tools.slurm import SubmitConfig, render_sbatch, submit as run_submit, wait as run_wait, exit_code
 
     cfg = SubmitConfig(nodes=nodes, gpus=gpus, tasks_per_node=tasks_per_node, cpus_per_task=cpus_per_task,
                        partition=partition, time=time_min, account=account, container=container,
@@ -87,7 +87,7 @@ def jobs(
 
     Example: hpctrain jobs --folder hpctrain-jobs
     """
-    from ..slurm import list_jobs
+    from ..tools.slurm import list_jobs
 
     listed = list_jobs(folder)
     if json_out:
@@ -111,7 +111,7 @@ def status(
 
     Example: hpctrain status 1234
     """
-    from ..slurm import job_status
+    from ..tools.slurm import job_status
 
     info = job_status(folder, job_id)
     if info["state"] == "unknown" and not info["events"] and info["slurm_state"] is None:
@@ -138,7 +138,7 @@ def logs(
 
     Example: hpctrain logs 1234 --rank 1 --follow
     """
-    from ..slurm import FINAL_STATES, follow as follow_files, job_status, log_path
+    from ..tools.slurm import FINAL_STATES, follow as follow_files, job_status, log_path
 
     out, err = log_path(folder, job_id, rank, "out"), log_path(folder, job_id, rank, "err")
     if not follow and not out.exists() and not err.exists():
@@ -163,7 +163,7 @@ def cancel(
 
     Example: hpctrain cancel 1234
     """
-    from ..slurm import cancel as run_cancel
+    from ..tools.slurm import cancel as run_cancel
 
     run_cancel(folder, job_id)
     print(f"cancelled {job_id}")

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..config import TrainConfig, read_toml
-from ..errors import ConfigError
+from ..base.config import TrainConfig, read_toml
+from ..base.errors import ConfigError
 from .common import handle_errors, is_rank0
 
 
@@ -91,8 +91,8 @@ def train(
         values.pop(name)
     values["json"] = json_out
     cfg = build_config(ctx, values, config)
-    from ..stop import FLAG
-    from ..trainer import train as run
+    from ..base.stop import FLAG
+    from ..control.trainer import train as run
 
     FLAG.exit_budget = cfg.collective_timeout  # for what is left after the run: MPI_Finalize waits for every rank
     summary = run(cfg)

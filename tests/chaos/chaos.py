@@ -85,7 +85,7 @@ class DataSpec:
 
 def feasible_shards(samples: int, val_fraction: float, world: int) -> list[int]:
     """Shard counts `shard` accepts (no more shards than samples in a non-empty split) that W divides."""
-    n_val = int(round(samples * val_fraction))  # as hpctrain.sharding does
+    n_val = int(round(samples * val_fraction))  # as hpctrain.data.sharding does
     limit = min(samples - n_val, n_val if n_val else samples, 12)
     return [world * m for m in (1, 2, 3, 4) if world * m <= limit]
 
@@ -446,7 +446,12 @@ class RunResult:
         if self.hung:
             return "HANG"
         label = signal.Signals(-self.rc).name if self.rc is not None and self.rc < 0 else str(self.rc)
-        return label + ("(unheld)" if self.event_unheld and self.rc not in (0, 3) else "")
+        return label + ("(unheld)" if self.died_of_an_unheld_stop() else "")
+
+    def died_of_an_unheld_stop(self) -> bool:
+        """A stop signal (not kill -9 or SIGSTOP, which nothing can hold) ended the run by its default action."""
+        stop = self.plan is not None and self.plan.event.split("-")[0] in ("term", "usr2")
+        return stop and self.event_unheld and self.rc not in (0, 3)
 
 
 def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadline_s: float, token: str,
@@ -834,7 +839,7 @@ def totals(outcomes: list[Outcome]) -> dict[str, int]:
     return {"cases": len(outcomes), "passed": sum(o.passed for o in outcomes), "failed": sum(not o.passed for o in outcomes),
             "hangs": count("hang"), "unexpected_exit_codes": count("exit"), "hash_mismatches": count("hash"),
             "step_mismatches": count("steps"), "ranks_out_of_sync": count("sync"), "left_processes": count("leftover"),
-            "ended_by_an_unheld_signal": sum(any(r.event_unheld and r.rc not in (0, 3) for r in o.runs) for o in outcomes)}
+            "ended_by_an_unheld_signal": sum(any(r.died_of_an_unheld_stop() for r in o.runs) for o in outcomes)}
 
 
 def repro_command(case: Case, deadline_s: float | None = None) -> str:

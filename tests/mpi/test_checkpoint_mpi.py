@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, hpctrain, mpi_env, summary
-from hpctrain import checkpoint as ckpt
+from hpctrain.control import checkpoint as ckpt
 
 pytestmark = pytest.mark.mpi
 
@@ -113,8 +113,8 @@ def test_kill_9_one_rank_ends_job_and_resume_is_bit_identical(digits2: Path, tmp
 
 SAVER = r"""
 import os, sys, torch
-from hpctrain.checkpoint import CheckpointManager
-from hpctrain.comm import Comm
+from hpctrain.control.checkpoint import CheckpointManager
+from hpctrain.comm.core import Comm
 for line in sys.stdin:  # one forked saver per line; torch is imported once
     base = int(line)
     pid = os.fork()

@@ -83,8 +83,8 @@ def test_strict_fails_every_rank_when_ranks_oversubscribe_the_cores() -> None:
 
 
 SCRIPT = textwrap.dedent("""\
-    from hpctrain.comm import self_comm, world
-    from hpctrain.doctor import doctor
+    from hpctrain.comm.core import self_comm, world
+    from hpctrain.tools.doctor import doctor
 
     comm_world = world()
     for comm in (self_comm(), comm_world):

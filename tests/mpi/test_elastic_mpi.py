@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import PYTHON, hpctrain, mpi_env, summary
-from hpctrain import checkpoint as ckpt
+from hpctrain.control import checkpoint as ckpt
 
 pytestmark = pytest.mark.mpi
 ARGS = ["--batch-size", "16", "--epochs", "3", "--audit-samples", "--log-every", "1", "--seed", "3"]

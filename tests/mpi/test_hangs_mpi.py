@@ -82,7 +82,7 @@ def test_a_rank_failing_alone_ends_the_job_and_says_why(tmp_path: Path) -> None:
 
 
 def _rank_pids(launcher: int) -> list[int]:
-    from hpctrain.launch import descendants
+    from hpctrain.tools.launch import descendants
 
     pids = []
     for pid in descendants(launcher):
@@ -125,7 +125,7 @@ def test_stop_signal_ends_a_job_whose_rank_is_stuck(digits2: Path, tmp_path: Pat
                     Path(f"/proc/{p}/stat").read_bytes().split(b") ")[1][:1]], "ranks left running"
     finally:
         if proc.poll() is None:
-            from hpctrain.launch import kill_tree
+            from hpctrain.tools.launch import kill_tree
             kill_tree(proc.pid)
             proc.wait()
 
@@ -163,7 +163,7 @@ def test_a_stop_in_a_rank_s_first_milliseconds_is_kept_not_fatal(digits2: Path, 
         assert "stopped by SIGTERM at step" in err, err[-2000:]
     finally:
         if proc.poll() is None:
-            from hpctrain.launch import kill_tree
+            from hpctrain.tools.launch import kill_tree
             kill_tree(proc.pid)
             proc.wait()
 
@@ -172,7 +172,7 @@ def test_a_stop_while_the_launcher_starts_ends_the_job_before_it_begins(digits2:
     """SIGTERM to `hpctrain launch` as soon as it holds the signal (its first lines, before mpirun exists): the
     launcher starts nothing and exits 3. Before, the signal came either before any handler (death by it), or
     just as mpirun started, which then died of the forwarded SIGUSR2 before it could catch it."""
-    from hpctrain.launch import catches
+    from hpctrain.tools.launch import catches
 
     run = tmp_path / "r"
     proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--data", str(digits2),
@@ -187,6 +187,6 @@ def test_a_stop_while_the_launcher_starts_ends_the_job_before_it_begins(digits2:
         assert "before the job started" in err and not run.exists(), err
     finally:
         if proc.poll() is None:
-            from hpctrain.launch import kill_tree
+            from hpctrain.tools.launch import kill_tree
             kill_tree(proc.pid)
             proc.wait()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import hpctrain, mpirun
-from hpctrain.data import load_manifest, verify
+from hpctrain.data.reader import load_manifest, verify
 
 pytestmark = pytest.mark.mpi
 

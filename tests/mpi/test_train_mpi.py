@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import hpctrain, mpirun, summary
-from hpctrain.data import ShardReader, load_manifest
-from hpctrain.models import build_model
+from hpctrain.data.reader import ShardReader, load_manifest
+from hpctrain.compute.models import build_model
 
 pytestmark = pytest.mark.mpi
 

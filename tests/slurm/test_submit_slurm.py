@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import hpctrain, mpi_env, summary
-from hpctrain.slurm import SubmitConfig, job_status, render_sbatch
+from hpctrain.tools.slurm import SubmitConfig, job_status, render_sbatch
 
 from slurm_util import cli, cluster_session, submit_json, wait_for
 

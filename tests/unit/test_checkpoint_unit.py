@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain import checkpoint as ckpt
-from hpctrain.comm import Comm
-from hpctrain.durable import sha256_file
-from hpctrain.errors import CheckpointError
+from hpctrain.control import checkpoint as ckpt
+from hpctrain.comm.core import Comm
+from hpctrain.base.durable import sha256_file
+from hpctrain.base.errors import CheckpointError
 
 
 def test_staging_reuses_buffers_and_snapshots_are_independent_of_training() -> None:

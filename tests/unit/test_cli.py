@@ -104,7 +104,7 @@ def test_launch_rejects_a_negative_grace() -> None:
 
 
 def test_launch_builds_the_mpirun_command() -> None:
-    from hpctrain.launch import build_command
+    from hpctrain.tools.launch import build_command
 
     argv, env = build_command(4, ["train", "--data", "d"], mpirun="/usr/bin/mpirun", cpus=2, is_root=True, python="py")
     assert argv == ["/usr/bin/mpirun", "-n", "4", "--bind-to", "none", "--oversubscribe", "py", "-m", "hpctrain",
@@ -124,8 +124,8 @@ def test_block_prefix_blocks_the_stop_signals_across_exec() -> None:
     import signal
     import subprocess
 
-    from hpctrain.launch import catches
-    from hpctrain.stop import block_prefix
+    from hpctrain.tools.launch import catches
+    from hpctrain.base.stop import block_prefix
 
     out = subprocess.run([*block_prefix(), "grep", "SigBlk", "/proc/self/status"], capture_output=True, text=True)
     mask = int(out.stdout.split()[1], 16)

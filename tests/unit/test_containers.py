@@ -8,7 +8,7 @@ cannot exist here.
 
 Regenerate the golden files and `containers/` after an intended change with:
     HPCTRAIN_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_containers.py
-(or `python -m hpctrain.containers` for `containers/` alone), then review the diff.
+(or `python -m hpctrain.tools.containers` for `containers/` alone), then review the diff.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hpctrain import containers
+from hpctrain.tools import containers
 from hpctrain.cli.main import app
-from hpctrain.containers import ContainerConfig, render_recipe
-from hpctrain.errors import ConfigError
+from hpctrain.tools.containers import ContainerConfig, render_recipe
+from hpctrain.base.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"

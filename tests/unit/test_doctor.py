@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from hpctrain.doctor import check, format_report
-from hpctrain.hdf5env import file_locking
+from hpctrain.tools.doctor import check, format_report
+from hpctrain.data.hdf5env import file_locking
 
 from conftest import hpctrain, mpi_env
 

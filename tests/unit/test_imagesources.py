@@ -16,13 +16,14 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from hpctrain import imagesources, sharding
+from hpctrain.data import imagesources
+from hpctrain.data import sharding
 from hpctrain.cli.main import app
-from hpctrain.config import ShardConfig
-from hpctrain.data import load_manifest, verify
-from hpctrain.errors import ConfigError, DataError
-from hpctrain.imagesources import fit_image, parse_image_size
-from hpctrain.sharding import shard
+from hpctrain.base.config import ShardConfig
+from hpctrain.data.reader import load_manifest, verify
+from hpctrain.base.errors import ConfigError, DataError
+from hpctrain.data.imagesources import fit_image, parse_image_size
+from hpctrain.data.sharding import shard
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "datasets" / "samples"

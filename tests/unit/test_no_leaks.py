@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.comm import Comm
-from hpctrain.config import ShardConfig, TrainConfig
-from hpctrain.data import ShardReader, load_manifest
-from hpctrain.errors import HpctrainError
-from hpctrain.sharding import shard
-from hpctrain.trainer import train
-from hpctrain.watchdog import Watchdog
+from hpctrain.comm.core import Comm
+from hpctrain.base.config import ShardConfig, TrainConfig
+from hpctrain.data.reader import ShardReader, load_manifest
+from hpctrain.base.errors import HpctrainError
+from hpctrain.data.sharding import shard
+from hpctrain.control.trainer import train
+from hpctrain.control.watchdog import Watchdog
 
 BOOM = '''
 import torch

@@ -1,7 +1,7 @@
 """Properties (hypothesis) of the reader's order, its exact resume, the elastic rest of an epoch, GradSync's
 bucket layout, and the reader's shutdown, over many small real HDF5 shard sets.
 
-Shard sets are written once per distinct (samples, shards) by `hpctrain.sharding.shard` into one session-wide
+Shard sets are written once per distinct (samples, shards) by `hpctrain.data.sharding.shard` into one session-wide
 temporary directory (hypothesis does not mix with function-scoped fixtures). Everything that reads runs in a
 helper thread joined with a timeout, so a hang fails its example instead of hanging pytest.
 """
@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
-from hpctrain.config import ShardConfig
-from hpctrain.data import Batch, ShardReader, ShardSet, epoch_remainder, load_manifest
-from hpctrain.sharding import shard
+from hpctrain.base.config import ShardConfig
+from hpctrain.data.reader import Batch, ShardReader, ShardSet, epoch_remainder, load_manifest
+from hpctrain.data.sharding import shard
 
 MAX_SAMPLES = 48        # small enough to write and read in milliseconds, large enough for many windows
 READ_DEADLINE = 30.0    # a whole epoch of a tiny shard set: milliseconds; longer is a hang
@@ -332,8 +332,8 @@ def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: 
                           dtype: str) -> None:
     import torch
 
-    from hpctrain.comm import Comm, GradSync
-    from hpctrain.errors import ConfigError
+    from hpctrain.comm.core import Comm, GradSync
+    from hpctrain.base.errors import ConfigError
 
     torch_dtype = getattr(torch, dtype)
     params = []

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpctrain.config import ShardConfig
-from hpctrain.data import ShardReader, load_manifest
-from hpctrain.errors import ConfigError
-from hpctrain.sharding import shard
+from hpctrain.base.config import ShardConfig
+from hpctrain.data.reader import ShardReader, load_manifest
+from hpctrain.base.errors import ConfigError
+from hpctrain.data.sharding import shard
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_world_must_divide_shards(uneven: Path) -> None:
 
 
 def test_corrupt_chunk_names_file_and_chunk(tmp_path: Path) -> None:
-    from hpctrain.errors import DataError
+    from hpctrain.base.errors import DataError
 
     out = tmp_path / "d"
     shard(ShardConfig(source="synthetic:4000:16:3", out=out, shards=1, val_fraction=0, chunk_rows=500),
@@ -127,7 +127,7 @@ def test_forked_reader_opens_its_own_handles(bigger: Path) -> None:
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_elastic_rest_of_epoch_on_another_world_size(bigger: Path, shuffle: bool) -> None:
-    from hpctrain.data import epoch_remainder
+    from hpctrain.data.reader import epoch_remainder
 
     shards = load_manifest(bigger)
     kw = dict(batch_size=64, shuffle=shuffle, seed=5)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from conftest import mpirun
 from hpctrain.cli.report import report as report_cmd
-from hpctrain.report import PLOTS, by_step, read_jsonl
+from hpctrain.tools.report import PLOTS, by_step, read_jsonl
 
 app = typer.Typer()
 app.command()(report_cmd)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.comm import Comm
-from hpctrain.config import ShardConfig, TrainConfig
-from hpctrain.sharding import shard
-from hpctrain.trainer import train
+from hpctrain.comm.core import Comm
+from hpctrain.base.config import ShardConfig, TrainConfig
+from hpctrain.data.sharding import shard
+from hpctrain.control.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_same_plan_or_constant_schedule_resumes_silently(data: Path, tmp_path: P
 def test_config_toml_beside_the_run_rebuilds_the_same_config(data: Path, tmp_path: Path) -> None:
     """config.toml is written by tomli-w and read by tomllib: every value round-trips, so
     `hpctrain train --config RUN/config.toml` repeats the run."""
-    from hpctrain.config import read_toml
+    from hpctrain.base.config import read_toml
 
     run = tmp_path / "r"
     cfg = TrainConfig(data=data, run_dir=run, schedule="cosine", max_steps=3, batch_size=10, lr=0.125,

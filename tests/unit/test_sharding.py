@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from hpctrain.cli.main import app
-from hpctrain.config import ShardConfig
-from hpctrain.data import load_manifest, sha256_file, verify
-from hpctrain.errors import ConfigError, DataError
-from hpctrain.sharding import open_source, shard
+from hpctrain.base.config import ShardConfig
+from hpctrain.data.reader import load_manifest, sha256_file, verify
+from hpctrain.base.errors import ConfigError, DataError
+from hpctrain.data.sharding import open_source, shard
 
 runner = CliRunner()
 
@@ -98,7 +98,7 @@ def random_h5(path: Path, seed: int, n: int, d: int, classes: int) -> tuple[np.n
 
 def test_hdf5_read_in_chunks(tmp_path: Path) -> None:
     x, y = random_h5(tmp_path / "a.h5", 1, 5000, 6, 3)
-    import hpctrain.sharding as sh
+    import hpctrain.data.sharding as sh
 
     old = sh._READ_BYTES
     sh._READ_BYTES = 24 * 700  # force many read chunks
@@ -130,7 +130,7 @@ def test_a_worker_failure_is_one_error_and_leaves_nothing(tmp_path: Path) -> Non
         h5["y"] = np.zeros(400, np.int64)
     cfg = ShardConfig(source=str(tmp_path / "a.h5"), out=tmp_path / "o", shards=4, workers=2)
     # the workers open the source anew: make that fail after the parent has opened it
-    import hpctrain.sharding as sh
+    import hpctrain.data.sharding as sh
 
     real = sh.open_source
 

@@ -21,8 +21,8 @@ import typer
 from typer.testing import CliRunner
 
 from hpctrain.cli import submit as submit_cli
-from hpctrain.errors import ConfigError
-from hpctrain.slurm import (SubmitConfig, command_paths, job_status, parse_duration, record, render_sbatch,
+from hpctrain.base.errors import ConfigError
+from hpctrain.tools.slurm import (SubmitConfig, command_paths, job_status, parse_duration, record, render_sbatch,
                             stop_reason, supervise)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,10 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-import hpctrain.checkpoint as ckpt
-from hpctrain import trainer
-from hpctrain.comm import world
-from hpctrain.config import TrainConfig
+import hpctrain.control.checkpoint as ckpt
+from hpctrain.control import trainer
+from hpctrain.comm.core import world
+from hpctrain.base.config import TrainConfig
 
 data, run, mode = sys.argv[1:4]
 comm = world()

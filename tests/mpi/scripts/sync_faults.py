@@ -11,8 +11,8 @@ import sys
 import torch
 
 import hpctrain
-from hpctrain.comm import GradSync
-from hpctrain.errors import CommError
+from hpctrain.comm.core import GradSync
+from hpctrain.base.errors import CommError
 
 ctx = hpctrain.init()
 mode = sys.argv[1]

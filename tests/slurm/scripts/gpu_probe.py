@@ -3,7 +3,7 @@
 import json
 import os
 
-from hpctrain.env import read_env, select_device
+from hpctrain.base.rankenv import read_env, select_device
 
 env = read_env()
 visible = [d for d in (env.cuda_visible_devices or "").split(",") if d]

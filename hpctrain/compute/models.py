@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ConfigError
+from ..base.errors import ConfigError
 
 BUILTINS = ("mlp", "mlp:H1,H2,...[:dropout=P]", "cnn[:dropout=P]")
 

@@ -18,9 +18,9 @@ import sys
 import time
 from typing import Sequence
 
-from .env import read_env
-from .errors import ConfigError, HpctrainError
-from .stop import FLAG, STOP_EXIT, block_prefix
+from ..base.rankenv import read_env
+from ..base.errors import ConfigError, HpctrainError
+from ..base.stop import FLAG, STOP_EXIT, block_prefix
 
 # hpctrain subcommands: a COMMAND starting with one of these runs as `python -m hpctrain ...`.
 SUBCOMMANDS = ("train", "shard", "verify", "doctor", "bench", "report")

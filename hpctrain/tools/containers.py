@@ -15,7 +15,7 @@ checked-in `containers/*.def` pin it). Two modes:
 `build(...)` runs `apptainer build` (or `singularity build`) with an argument list, streaming its output with
 the elapsed time, and says how to get Apptainer when neither is installed.
 
-Run `python -m hpctrain.containers` to re-render the checked-in default recipes under `containers/`.
+Run `python -m hpctrain.tools.containers` to re-render the checked-in default recipes under `containers/`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
-from .errors import ConfigError, HpctrainError, one_of
+from .. import __version__
+from ..base.errors import ConfigError, HpctrainError, one_of
 
 MODES = ("hybrid", "bind")
 MPI_ABIS = ("openmpi", "mpich")

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .durable import write_text
-from .threads import join_logged
+from ..base.durable import write_text
+from ..base.threads import join_logged
 
 
 class Watchdog:

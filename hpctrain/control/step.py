@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from .comm import Comm, GradSync
-from .config import TrainConfig
-from .data import ShardReader
-from .env import RankEnv
+from ..comm.core import Comm, GradSync
+from ..base.config import TrainConfig
+from ..data.reader import ShardReader
+from ..base.rankenv import RankEnv
 from .watchdog import Watchdog
 
 

@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .config import WIRE_FORMATS
-from .errors import CommError, ConfigError
-from .threads import join_logged
+from ..base.config import WIRE_FORMATS
+from ..base.errors import CommError, ConfigError
+from ..base.threads import join_logged
 
 _MPI: Any = None
 
@@ -107,7 +107,7 @@ class Comm:
         """Raise on every rank when any rank failed (its checks, its part of the work), so that no rank walks
         into the next collective alone. The failing rank re-raises its own error; the others raise one
         that names it, with the same exit code."""
-        from .errors import HpctrainError
+        from ..base.errors import HpctrainError
 
         mine = None if error is None else (str(error), getattr(error, "exit_code", 1))
         messages = self.allgather(mine)

@@ -26,17 +26,18 @@ from typing import Any
 
 
 from . import checkpoint as ckpt
-from . import rngstate, runlog
-from .comm import Comm, GradSync, world
-from .config import TrainConfig
-from .data import ShardReader, ShardSet, epoch_remainder, load_manifest
-from .durable import replacing, write_text
-from .env import RankEnv, read_env, select_device
-from .errors import CheckpointError, ConfigError, HpctrainError
-from .models import build_model
+from . import rngstate
+from . import runlog
+from ..comm.core import Comm, GradSync, world
+from ..base.config import TrainConfig
+from ..data.reader import ShardReader, ShardSet, epoch_remainder, load_manifest
+from ..base.durable import replacing, write_text
+from ..base.rankenv import RankEnv, read_env, select_device
+from ..base.errors import CheckpointError, ConfigError, HpctrainError
+from ..compute.models import build_model
 from .runlog import RunLog
-from .stop import FLAG as STOP
-from .stop import STOP_EXIT, cancel_deadline, deadline
+from ..base.stop import FLAG as STOP
+from ..base.stop import STOP_EXIT, cancel_deadline, deadline
 from .step import auto_overlap, evaluate, lr_factor, make_optimizer, param_sha256, train_step
 from .watchdog import Watchdog
 

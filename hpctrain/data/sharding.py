@@ -26,15 +26,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .comm import Comm, world
-from .config import ShardConfig
-from .env import read_env
-from .data import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
-from .durable import fsync_dir
-from .errors import ConfigError, DataError, HpctrainError
+from ..comm.core import Comm, world
+from ..base.config import ShardConfig
+from ..base.rankenv import read_env
+from .reader import FORMAT, MANIFEST, SPLITS, VERSION, sha256_file, shard_name
+from ..base.durable import fsync_dir
+from ..base.errors import ConfigError, DataError, HpctrainError
 from .hdf5env import reader_locking
-from .threads import worker_context
-from .progress import Progress
+from ..base.threads import worker_context
+from ..base.progress import Progress
 
 SOURCE_FORMS = ("digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/FILE.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR, "
                 "cifar10:DIR or FILE.parquet")
@@ -389,7 +389,7 @@ def _write_in_workers(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes:
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    ctx = worker_context(["hpctrain.sharding", "h5py"])  # never fork: the source's HDF5 file is open here
+    ctx = worker_context(["hpctrain.data.sharding", "h5py"])  # never fork: the source's HDF5 file is open here
     digests: dict[str, str] = {}
     try:
         with ProcessPoolExecutor(workers - 1, mp_context=ctx) as pool:

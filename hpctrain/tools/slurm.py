@@ -6,9 +6,9 @@ The only module that imports submitit. Its parts, one per concern:
 - `render_sbatch(cfg, command)`: the batch script, a pure function (pinned by golden files). It is built by
   submitit's own sbatch writer, so the text `--dry-run` prints is byte for byte the file that is submitted.
   The script `exec`s the supervisor, which starts the ranks with `srun --mpi=pmix|pmi2 --kill-on-bad-exit=1`
-  (or `mpirun` inside the allocation), each under the rank wrapper (`python -m hpctrain.slurm rank`).
+  (or `mpirun` inside the allocation), each under the rank wrapper (`python -m hpctrain.tools.slurm rank`).
 - `submit(cfg, command)`: `sbatch --test-only` first where the cluster allows it, then submitit's submission.
-- `supervise(...)`: runs in the job (`python -m hpctrain.slurm supervise`). It keeps a record of the job in
+- `supervise(...)`: runs in the job (`python -m hpctrain.tools.slurm supervise`). It keeps a record of the job in
   the job folder (FOLDER/JOBID_hpctrain.jsonl) and decides what an exit means: 0 completed; 3 (every rank
   stopped on SIGTERM/SIGUSR2 and wrote one checkpoint together) is a preemption or a timeout, and the job
   requeues itself (`scontrol requeue`) up to `max_requeues` times to resume with `--resume auto`; any other
@@ -48,7 +48,7 @@ def _hold_early(signum: int, frame: object) -> None:
     _EARLY.append(signum)
 
 
-# `python -m hpctrain.slurm rank|supervise` is itself a process of the job: Slurm may signal it from its first
+# `python -m hpctrain.tools.slurm rank|supervise` is itself a process of the job: Slurm may signal it from its first
 # instruction. Hold the stop signals from here, before the imports below, until run_rank/supervise take over.
 if __name__ == "__main__" and sys.argv[1:2] in (["rank"], ["supervise"]):
     for _sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT) if sys.argv[1] == "rank" else (signal.SIGUSR2, signal.SIGTERM):
@@ -69,10 +69,10 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Sequence, TextIO  # noqa: E402
 
-from .env import read_env  # noqa: E402
-from .errors import ConfigError, SubmissionError, one_of  # noqa: E402
+from ..base.rankenv import read_env  # noqa: E402
+from ..base.errors import ConfigError, SubmissionError, one_of  # noqa: E402
 from .launch import SUBCOMMANDS, descendants  # noqa: E402
-from .stop import STOP_EXIT  # noqa: E402 - every rank stopped at a step boundary and checkpointed
+from ..base.stop import STOP_EXIT  # noqa: E402 - every rank stopped at a step boundary and checkpointed
 
 MPI_MODES = ("pmix", "pmi2", "mpirun")
 # Slurm signals a rank's processes from their first instruction: the rank wrapper starts with SIGUSR2 blocked
@@ -197,7 +197,7 @@ def command_paths(command: Sequence[str]) -> list[str]:
 def _launch_parts(cfg: SubmitConfig, command: Sequence[str]) -> list[list[str]]:
     """The launcher (srun or mpirun), the per-rank wrapper, and what each rank runs, as three argument lists.
 
-    Each rank runs under `python -m hpctrain.slurm rank`, which turns the collective stop (exit 3: every rank
+    Each rank runs under `python -m hpctrain.tools.slurm rank`, which turns the collective stop (exit 3: every rank
     checkpointed together) into exit 0 plus a note in the job record: with --kill-on-bad-exit (and under
     mpirun) the first rank to exit 3 would otherwise kill the others while they are still finishing. It starts
     through `env --block-signal=USR2` (BLOCK_STOP), so a stop that comes while Python starts waits, pending,
@@ -210,7 +210,7 @@ def _launch_parts(cfg: SubmitConfig, command: Sequence[str]) -> list[list[str]]:
         folder = str(cfg.folder)
         launcher = ["srun", "--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error",
                     f"{folder}/%j_%t_log.err", f"--mpi={cfg.mpi}", "--kill-on-bad-exit=1"]
-    wrapper = [*BLOCK_STOP, cfg.python, "-u", "-m", "hpctrain.slurm", "rank", "--folder", str(cfg.folder), "--"]
+    wrapper = [*BLOCK_STOP, cfg.python, "-u", "-m", "hpctrain.tools.slurm", "rank", "--folder", str(cfg.folder), "--"]
     return [launcher, wrapper, rank_command(cfg, command)]
 
 
@@ -240,7 +240,7 @@ def sbatch_parameters(cfg: SubmitConfig, command: Sequence[str]) -> dict[str, An
 
 def batch_command(cfg: SubmitConfig, command: Sequence[str]) -> str:
     """The script's last line: the supervisor replaces the batch shell and starts the ranks."""
-    supervisor = [cfg.python, "-u", "-m", "hpctrain.slurm", "supervise", "--folder", str(cfg.folder),
+    supervisor = [cfg.python, "-u", "-m", "hpctrain.tools.slurm", "supervise", "--folder", str(cfg.folder),
                   "--max-requeues", str(cfg.max_requeues), "--signal-delay", str(cfg.signal_delay_s), "--"]
     parts = [supervisor, *_launch_parts(cfg, command)]
     return "exec " + " \\\n    ".join(shlex.join(part) for part in parts)
@@ -504,7 +504,7 @@ def _launchable(launcher: Sequence[str]) -> list[str]:
     signals (coreutils before 8.31, e.g. RHEL 8), saying so; the ranks then start as they did before it."""
     argv, n = list(launcher), len(BLOCK_STOP)
     at = next((i for i in range(len(argv) - n) if tuple(argv[i:i + n]) == BLOCK_STOP
-               and argv[i + n + 1:i + n + 5] == ["-u", "-m", "hpctrain.slurm", "rank"]), None)
+               and argv[i + n + 1:i + n + 5] == ["-u", "-m", "hpctrain.tools.slurm", "rank"]), None)
     if at is None:
         return argv
     try:
@@ -774,10 +774,10 @@ def wait(folder: Path, job_id: str, *, stream: TextIO | None = None, poll_s: flo
         time.sleep(poll_s)
 
 
-# -- `python -m hpctrain.slurm supervise` -------------------------------------------------------------------
+# -- `python -m hpctrain.tools.slurm supervise` -------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.slurm", description="hpctrain's in-job supervisor")
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.tools.slurm", description="hpctrain's in-job supervisor")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sup = sub.add_parser("supervise", help="start the ranks, record the outcome, requeue after a checkpoint")
     sup.add_argument("--folder", type=Path, required=True)

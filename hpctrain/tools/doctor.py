@@ -13,9 +13,9 @@ import platform
 import socket
 from typing import Any
 
-from . import __version__
-from .env import RankEnv, read_env, select_device
-from .errors import HpctrainError
+from .. import __version__
+from ..base.rankenv import RankEnv, read_env, select_device
+from ..base.errors import HpctrainError
 
 # CUDA_VISIBLE_DEVICES values that give a process no GPU.
 _NO_GPU = ("", "-1", "NoDevFiles", "none")
@@ -27,7 +27,7 @@ def _gpus_assigned(cuda_visible_devices: str | None) -> bool:
 
 def _mpi_facts() -> dict[str, Any]:
     """The MPI library as the comm layer sees it; rank and size are COMM_WORLD's (what the launcher wired up)."""
-    from .comm import mpi_info, world
+    from ..comm.core import mpi_info, world
 
     try:
         info = mpi_info()
@@ -62,7 +62,7 @@ def _torch_facts(env: RankEnv) -> dict[str, Any]:
 
 
 def _hdf5_facts() -> dict[str, Any]:
-    from .hdf5env import file_locking
+    from ..data.hdf5env import file_locking
 
     try:
         import h5py
@@ -199,7 +199,7 @@ def doctor(comm: Any = None) -> dict[str, Any]:
     and `ranks` (every rank's facts and problems, in rank order).
     """
     if comm is None:
-        from .comm import world
+        from ..comm.core import world
 
         try:
             comm = world()

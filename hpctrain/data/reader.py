@@ -27,10 +27,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .durable import sha256_file  # noqa: F401 - also this module's API (verify, tests)
-from .errors import ConfigError, DataError
+from ..base.durable import sha256_file  # noqa: F401 - also this module's API (verify, tests)
+from ..base.errors import ConfigError, DataError
 from .hdf5env import reader_locking
-from .threads import join_logged
+from ..base.threads import join_logged
 
 MANIFEST = "manifest.json"
 FORMAT = "hpctrain-shards"
@@ -152,7 +152,7 @@ def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False
     """Re-hash every shard (or, with `quick`, check sizes and datasets only); return the problems found."""
     import h5py
 
-    from .progress import Progress
+    from ..base.progress import Progress
 
     shards = load_manifest(root)
     problems: list[str] = []

@@ -16,9 +16,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .config import read_toml
-from .durable import replacing, write_text
-from .errors import ConfigError, DataError
+from ..base.config import read_toml
+from ..base.durable import replacing, write_text
+from ..base.errors import ConfigError, DataError
 
 PLOTS = {
     "loss": "loss.png",

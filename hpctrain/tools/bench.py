@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .comm import Comm, GradSync
-from .env import read_env
-from .errors import ConfigError
+from ..comm.core import Comm, GradSync
+from ..base.rankenv import read_env
+from ..base.errors import ConfigError
 
 
 
@@ -55,9 +55,9 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
     """Allreduce time and bandwidth per size: raw mpi4py vs hpctrain's bucketed GradSync."""
     import torch
 
-    from .comm import _mpi
+    from ..comm.core import _mpi
 
-    from .progress import Progress
+    from ..base.progress import Progress
 
     MPI = _mpi()
     rows = []
@@ -100,8 +100,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling."""
     import torch
 
-    from .models import build_model
-    from .step import train_step
+    from ..compute.models import build_model
+    from ..control.step import train_step
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
@@ -116,12 +116,12 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
 
     # hpctrain: the exact step `hpctrain train` runs
     if device == "cuda":
-        from .env import select_device
+        from ..base.rankenv import select_device
 
         device = select_device(env, torch.cuda.device_count())
         torch.cuda.set_device(device)
     if overlap is None:
-        from .step import auto_overlap
+        from ..control.step import auto_overlap
 
         overlap = auto_overlap(env, torch.device(device).type)
     model = fresh_model().to(device)
@@ -162,7 +162,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     elif baseline not in (None, "none", "ddp"):
         raise ConfigError(f"unknown --baseline {baseline!r}: choose ddp or none")
 
-    from .progress import Progress
+    from ..base.progress import Progress
 
     bar = Progress(rounds, "bench train", enabled=comm.rank == 0, unit="rounds")
     hp_times: list[float] = []
@@ -196,7 +196,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
 
     # sync of all gradients alone, beside one raw allreduce of the same bytes
     if comm.size > 1:
-        from .comm import _mpi
+        from ..comm.core import _mpi
 
         MPI = _mpi()
         flat = np.ones(params, np.float32)  # raw MPI on host memory: the bound for the staging path too
@@ -215,7 +215,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
 
     # one rank alone on the machine: the others wait without spinning
     if comm.rank == 0:
-        from .comm import self_comm
+        from ..comm.core import self_comm
 
         solo_comm = self_comm()
         solo = GradSync(model.parameters(), solo_comm, bucket_mb=bucket_mb)
@@ -251,8 +251,8 @@ def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2,
     """
     import h5py
 
-    from .data import ShardReader, load_manifest
-    from .hdf5env import reader_locking
+    from ..data.reader import ShardReader, load_manifest
+    from ..data.hdf5env import reader_locking
 
     shards = load_manifest(data)
     reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch_size, shuffle=shuffle)

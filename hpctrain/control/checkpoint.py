@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .durable import fsync_dir, sha256_file
-from .errors import CheckpointError, HpctrainError
+from ..base.durable import fsync_dir, sha256_file
+from ..base.errors import CheckpointError, HpctrainError
 
 MARKER = "COMPLETE"
 STATE = "state.pt"

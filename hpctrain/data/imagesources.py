@@ -36,12 +36,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from .config import ShardConfig
-from .env import read_env
-from .errors import ConfigError, DataError, HpctrainError
-from .progress import Progress
+from ..base.config import ShardConfig
+from ..base.rankenv import read_env
+from ..base.errors import ConfigError, DataError, HpctrainError
+from ..base.progress import Progress
 from .sharding import Source, _labels
-from .threads import worker_context
+from ..base.threads import worker_context
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".pbm", ".tif", ".tiff", ".webp")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -173,7 +173,7 @@ def _workers(requested: int) -> int:
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
-    ctx = worker_context(["hpctrain.imagesources", "PIL.Image", "PIL.PngImagePlugin", "PIL.JpegImagePlugin"])
+    ctx = worker_context(["hpctrain.data.imagesources", "PIL.Image", "PIL.PngImagePlugin", "PIL.JpegImagePlugin"])
     return ProcessPoolExecutor(workers, mp_context=ctx)
 
 

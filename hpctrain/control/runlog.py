@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import TrainConfig, write_toml
-from .durable import write_text
-from .progress import Progress
+from ..base.config import TrainConfig, write_toml
+from ..base.durable import write_text
+from ..base.progress import Progress
 
 
 def setup_logging(run_dir: Path, rank: int) -> logging.Logger:

@@ -1,0 +1,1 @@
+"""What runs around the layers: local launch, Slurm submission, containers, doctor, report, bench."""
