@@ -28,7 +28,7 @@ from pathlib import Path
 
 def child(path: Path, repeats: int) -> None:
     from hpctrain.control import checkpoint as ckpt
-    from hpctrain.comm.core import world
+    from hpctrain.comm import world
     from hpctrain.control.checkpoint import load_broadcast
 
     comm = world()

@@ -6,7 +6,7 @@ tiny files, so the cost per file dominates), and two generated folders of JPEG i
 shape): 160x120 sharded with --image-size 64, and ImageNet-sized 500x375 sharded with --image-size 224
 --channels 3 (no header scan; decode, resize and crop dominate). For each worker count it runs
 the whole `hpctrain shard` (header scan, the checking decode pass, the HDF5 write; worker start-up included)
-and, separately, `open_source` alone (the header scan and the checking decode, where the workers work), and
+and, separately, `open_dataset_source` alone (the header scan and the checking decode, where the workers work), and
 reports images/s = images / wall seconds, best and median of `--repeats` runs that alternate between worker
 counts (on a shared machine the best run is the one least disturbed). `--stream` forces the large-dataset
 path (pixels not kept from the checking pass, decoded again while writing).
@@ -50,12 +50,12 @@ def make_jpegs(out: Path, count: int, size: tuple[int, int] = (160, 120), seed: 
 
 
 def decode_once(source: str, workers: int, extra: dict) -> float:
-    """Seconds for `open_source` alone: header scan and the checking decode of every image."""
+    """Seconds for `open_dataset_source` alone: header scan and the checking decode of every image."""
     from hpctrain.base.config import ShardConfig
-    from hpctrain.data.imagesources import open_source
+    from hpctrain.data.imagesets import open_dataset_source
 
     t0 = time.perf_counter()
-    open_source(source, ShardConfig(source=source, out=Path("unused"), workers=workers, **extra)).close()
+    open_dataset_source(source, ShardConfig(source=source, out=Path("unused"), workers=workers, **extra)).close()
     return time.perf_counter() - t0
 
 
@@ -80,10 +80,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from hpctrain.data import imagesources
+    from hpctrain.data import images
 
     if args.stream:
-        imagesources._KEEP_BYTES = 0
+        images._KEEP_BYTES = 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         subprocess.run([sys.executable, str(ROOT / "datasets" / "digits_to_imagefolder.py"), str(tmp_path / "digits")],
@@ -112,8 +112,8 @@ def main() -> None:
         print(json.dumps({"cpus": os.cpu_count(), "load_average": load, "repeats": args.repeats, "results": results}))
         return
     print(f"{os.cpu_count()} CPUs, load average {load:.1f} at the end; {args.repeats} runs each, best (median) images/s")
-    print("decode = open_source: header scan + checking decode; shard = the whole command (adds listing, HDF5 write, "
-          f"hashes){'; decoding twice' if args.stream else ''}")
+    print("decode = open_dataset_source: header scan + checking decode; shard = the whole command (adds listing, "
+          f"HDF5 write, hashes){'; decoding twice' if args.stream else ''}")
     print(f"{'dataset':<24} {'images':>6} {'workers':>7} {'decode images/s':>20} {'shard images/s':>20}")
     base: dict[str, float] = {}
     for r in results:

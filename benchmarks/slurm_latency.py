@@ -22,7 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpctrain.tools.slurm import SubmitConfig, job_status, read_record, submit
+from hpctrain.tools.slurm.config import SubmitConfig
+from hpctrain.tools.slurm.core import read_record
+from hpctrain.tools.slurm.status import job_status
+from hpctrain.tools.slurm.submission import submit
 
 ROOT = Path(__file__).resolve().parents[1]
 

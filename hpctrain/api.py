@@ -30,8 +30,9 @@ from typing import Any, Iterator
 
 from .control import checkpoint as ckpt
 from .control import rngstate
-from .comm.core import Comm, GradSync, world
-from .data.reader import ShardReader, load_manifest
+from .comm import Comm, GradSync, world
+from .data.reader import ShardReader
+from .data.shardformat import load_manifest
 from .base.rankenv import RankEnv, read_env, select_device
 from .base.errors import ConfigError
 from .base.stop import FLAG as STOP

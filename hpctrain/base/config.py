@@ -13,11 +13,15 @@ from typing import Any
 
 from .errors import ConfigError, one_of
 
-COMPRESSIONS = ("none", "lzf", "gzip")
+HDF5_COMPRESSIONS = ("none", "lzf", "gzip")
 NORMALIZATIONS = ("none", "standard", "minmax")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 WIRE_FORMATS = ("none", "fp16", "bf16")
+# fields renamed so that each name says one thing: {old spelling: new field}. The old flag and the old TOML key
+# still work (with a note); a checkpoint's config written under the old name compares equal.
+TRAIN_RENAMED = {"compress": "grad_compression"}
+SHARD_RENAMED = {"compression": "hdf5_compression"}
 
 
 def read_toml(text: str) -> dict[str, Any]:
@@ -61,10 +65,10 @@ class ShardConfig:
     """Fraction of the samples held out for validation (0 for none)."""
     seed: int = 0
     """Seed of the split and of the synthetic source."""
-    compression: str = "none"
-    """HDF5 compression filter of every dataset: none, lzf or gzip (with the shuffle filter)."""
+    hdf5_compression: str = "none"
+    """HDF5 compression filter of every dataset: none, lzf or gzip (with the shuffle filter; was --compression)."""
     chunk_rows: int | None = None
-    """Rows per HDF5 chunk; None picks about 1 MiB per chunk of x."""
+    """Rows per HDF5 chunk (default: about 1 MiB per chunk of x)."""
     force: bool = False
     """Replace an existing OUT."""
     normalize: str = "none"
@@ -92,8 +96,8 @@ class ShardConfig:
             raise ConfigError(f"--shards {self.shards!r} must be a whole number of at least 1, e.g. --shards 8")
         if not (isinstance(self.val_fraction, (int, float)) and 0 <= self.val_fraction < 1):
             raise ConfigError(f"--val-fraction {self.val_fraction!r} must be in [0, 1), e.g. --val-fraction 0.2")
-        if self.compression not in COMPRESSIONS:
-            raise one_of("--compression", self.compression, COMPRESSIONS)
+        if self.hdf5_compression not in HDF5_COMPRESSIONS:
+            raise one_of("--hdf5-compression", self.hdf5_compression, HDF5_COMPRESSIONS)
         if self.normalize not in NORMALIZATIONS:
             raise one_of("--normalize", self.normalize, NORMALIZATIONS)
         if self.channels is not None and self.channels not in (1, 3):
@@ -149,8 +153,8 @@ class TrainConfig:
     """auto (latest complete checkpoint in run_dir, else fresh), never, or a checkpoint directory."""
     bucket_mb: float = 25.0
     """Size of one gradient bucket in MiB (25 measured best on the reference MLP; see README)."""
-    compress: str = "none"
-    """Wire format of the gradient allreduce: none, fp16 or bf16."""
+    grad_compression: str = "none"
+    """Wire format of the gradient allreduce: none, fp16 or bf16 (was --compress)."""
     overlap: bool | None = None
     """Start each bucket's allreduce during backward on a communication thread; None (auto): only when the
     rank has a spare CPU for that thread or computes on a GPU (on one core per rank it measured slower)."""
@@ -211,12 +215,17 @@ class TrainConfig:
             raise one_of("optimizer", self.optimizer, OPTIMIZERS)
         if self.schedule not in SCHEDULES:
             raise one_of("schedule", self.schedule, SCHEDULES)
-        if self.compress not in WIRE_FORMATS:
-            raise one_of("compression", self.compress, WIRE_FORMATS)
+        if self.grad_compression not in WIRE_FORMATS:
+            raise one_of("--grad-compression", self.grad_compression, WIRE_FORMATS)
         if not isinstance(self.keep, int) or self.keep < 2:
             raise ConfigError(f"--keep {self.keep!r} must be at least 2, so a complete checkpoint always survives")
         if not self.resume:
             raise ConfigError("--resume '' is empty: use auto, never, or a checkpoint directory")
+
+    @staticmethod
+    def upgrade(values: dict[str, Any]) -> dict[str, Any]:
+        """`values` (a config file's, or an old checkpoint's) with renamed keys under their new names."""
+        return {TRAIN_RENAMED.get(k, k): v for k, v in values.items()}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (paths as strings, None dropped) for config.toml, checkpoints and summaries."""

@@ -48,7 +48,7 @@ def allreduce(
     """
     _relaunch(n)
     from ..tools.bench import bench_allreduce, parse_size
-    from ..comm.core import world
+    from ..comm import world
 
     result = bench_allreduce(world(), [parse_size(s) for s in sizes.split(",") if s.strip()], bucket_mb=bucket_mb)
     if not is_rank0():
@@ -85,7 +85,7 @@ def train(
     """
     _relaunch(n)
     from ..tools.bench import bench_train
-    from ..comm.core import world
+    from ..comm import world
 
     result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
                          rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=compress,
@@ -124,7 +124,7 @@ def data(
     """
     _relaunch(n)
     from ..tools.bench import bench_data
-    from ..comm.core import Comm, world
+    from ..comm import Comm, world
     from ..base.rankenv import read_env
 
     comm = world() if read_env().under_launcher else Comm(None)

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..base.errors import ConfigError
 from ..tools.containers import MODES, MPI_ABIS, ContainerConfig
 from .common import handle_errors
 
@@ -42,16 +43,26 @@ def recipe(
     torch: Annotated[str, typer.Option(help="PyTorch version.")] = _D.torch,
     torch_index: Annotated[Optional[str], typer.Option(help="pip index for torch (default: "
                                                        "https://download.pytorch.org/whl/cuXY for --cuda X.Y).")] = None,
+    write_defaults: Annotated[Optional[Path], typer.Option(
+        "--write-defaults", metavar="DIR", file_okay=False,
+        help="Instead, render the default recipes (those checked in under containers/) into DIR.")] = None,
 ) -> None:
     """Write an Apptainer definition: CUDA base, UCX, PMIx, Open MPI, mpi4py from source, torch and hpctrain.
 
     Example: hpctrain container recipe --mode hybrid -o hpctrain.def
     """
-    from ..tools.containers import render_recipe
+    from ..tools.containers import render_recipe, write_defaults as render_defaults
 
     cfg = ContainerConfig(mode=mode, mpi_abi=mpi_abi, cuda=cuda, devel_digest=devel_digest,
                           runtime_digest=runtime_digest, openmpi=openmpi, ucx=ucx, pmix=pmix, gdrcopy=gdrcopy,
                           mpich=mpich, mpi4py=mpi4py, torch=torch, torch_index=torch_index)
+    if write_defaults is not None:
+        if output is not None or cfg != ContainerConfig():
+            raise ConfigError("--write-defaults renders the default recipes with their own options: leave out -o "
+                              "and the image options")
+        for path in render_defaults(write_defaults):
+            print(f"wrote {path}")
+        return
     text = render_recipe(cfg)
     if output is None:
         sys.stdout.write(text)
@@ -78,7 +89,7 @@ def build(
 
     Example: hpctrain container build containers/hpctrain-hybrid.def -o hpctrain.sif --fakeroot
     """
-    from ..tools.containers import build as run_build
+    from ..tools.containers_build import build as run_build
 
     image = output if output is not None else Path(definition.stem + ".sif")
     run_build(definition, image, fakeroot=fakeroot, force=force, nv=nv)

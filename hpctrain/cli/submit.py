@@ -10,7 +10,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..tools.slurm.config import SubmitConfig
 from .common import fail, handle_errors
+from .options import config_parameters, config_values, with_signature
 
 FOLDER_HELP = "Job folder: batch scripts, logs (JOBID_RANK_log.out/.err) and job records."
 Folder = Annotated[Path, typer.Option("--folder", help=FOLDER_HELP)]
@@ -20,33 +22,23 @@ DEFAULT_FOLDER = Path("hpctrain-jobs")
 @handle_errors
 def submit(
     command: Annotated[list[str], typer.Argument(help="An hpctrain subcommand (train ...) or any program.")],
-    nodes: Annotated[int, typer.Option(help="Nodes to allocate.")] = 1,
-    gpus: Annotated[int, typer.Option(help="GPUs per node; one rank per GPU.")] = 0,
-    tasks_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (default: --gpus, or 1).")] = None,
-    cpus_per_task: Annotated[int, typer.Option(help="CPUs per rank (also OMP_NUM_THREADS and torch threads).")] = 1,
-    partition: Annotated[Optional[str], typer.Option(help="Slurm partition (default: the cluster's).")] = None,
-    time_min: Annotated[int, typer.Option("--time", help="Time limit in minutes (checkpoint + requeue before it).")] = 60,
-    account: Annotated[Optional[str], typer.Option(help="Slurm account to charge.")] = None,
-    container: Annotated[Optional[Path], typer.Option(help="Run every rank in `apptainer exec --nv IMAGE.sif`.")] = None,
-    folder: Folder = DEFAULT_FOLDER,
-    env: Annotated[Optional[list[str]], typer.Option("--env", help="K=V for every rank (repeatable).")] = None,
-    mpi: Annotated[str, typer.Option(help="How ranks start: pmix, pmi2 (srun --mpi=...) or mpirun.")] = "pmix",
-    max_requeues: Annotated[int, typer.Option(help="Times the job may requeue itself after a checkpoint.")] = 10,
-    python: Annotated[Optional[str], typer.Option(help="Python on the compute nodes (default: this one).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the batch script; submit nothing.")] = False,
     wait_: Annotated[bool, typer.Option("--wait", help="Follow rank 0 until the job ends; exit with its code.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help='Print one JSON object {"job_id": ...}.')] = False,
+    **values: Any,
 ) -> None:
     """Submit COMMAND as an MPI job on Slurm: one rank per GPU, requeued after preemption or timeout.
 
+    Every option but the last three is a field of `SubmitConfig` (its default and help are written there, once).
+
     Example: hpctrain submit --nodes 2 --gpus 4 --time 120 -- train --data data/ --run-dir runs/a
     """
-    from ..tools.slurm import SubmitConfig, render_sbatch, submit as run_submit, wait as run_wait, exit_code
+    from ..tools.slurm.render import render_sbatch
+    from ..tools.slurm.status import exit_code, wait as run_wait
+    from ..tools.slurm.submission import submit as run_submit
 
-    cfg = SubmitConfig(nodes=nodes, gpus=gpus, tasks_per_node=tasks_per_node, cpus_per_task=cpus_per_task,
-                       partition=partition, time=time_min, account=account, container=container,
-                       folder=folder.resolve(), env=tuple(env or ()), mpi=mpi, max_requeues=max_requeues,
-                       **({"python": python} if python else {}))
+    cfg = SubmitConfig(**config_values(SubmitConfig, values))
+    cfg.folder = cfg.folder.resolve()
     if dry_run:
         script = render_sbatch(cfg, command)
         print(json.dumps({"job_id": None, "script": script}) if json_out else script, end="" if not json_out else "\n")
@@ -65,6 +57,10 @@ def submit(
     else:
         print(f"job {info['job_id']}: {_describe(status)}", file=sys.stderr)
     raise typer.Exit(code)
+
+
+with_signature(submit, config_parameters(SubmitConfig, skip=("job_name", "signal_delay_s", "binds", "container_python"),
+                                         flags={"env": "--env"}))
 
 
 def _describe(status: dict[str, Any]) -> str:
@@ -87,7 +83,7 @@ def jobs(
 
     Example: hpctrain jobs --folder hpctrain-jobs
     """
-    from ..tools.slurm import list_jobs
+    from ..tools.slurm.status import list_jobs
 
     listed = list_jobs(folder)
     if json_out:
@@ -111,7 +107,7 @@ def status(
 
     Example: hpctrain status 1234
     """
-    from ..tools.slurm import job_status
+    from ..tools.slurm.status import job_status
 
     info = job_status(folder, job_id)
     if info["state"] == "unknown" and not info["events"] and info["slurm_state"] is None:
@@ -138,7 +134,8 @@ def logs(
 
     Example: hpctrain logs 1234 --rank 1 --follow
     """
-    from ..tools.slurm import FINAL_STATES, follow as follow_files, job_status, log_path
+    from ..tools.slurm.core import log_path
+    from ..tools.slurm.status import FINAL_STATES, follow as follow_files, job_status
 
     out, err = log_path(folder, job_id, rank, "out"), log_path(folder, job_id, rank, "err")
     if not follow and not out.exists() and not err.exists():
@@ -163,7 +160,7 @@ def cancel(
 
     Example: hpctrain cancel 1234
     """
-    from ..tools.slurm import cancel as run_cancel
+    from ..tools.slurm.submission import cancel as run_cancel
 
     run_cancel(folder, job_id)
     print(f"cancelled {job_id}")

@@ -1,1 +1,11 @@
-"""The comm layer: the only code that touches mpi4py (broadcast, gradient allreduce, 16-bit wire formats)."""
+"""The comm layer: the only code that touches mpi4py (broadcast, gradient allreduce, 16-bit wire formats).
+
+Its public names, imported from here (`from ..comm import Comm, world`):
+`world` (MPI start-up, lazily), `Comm`, `self_comm`, `mpi_info`/`MpiInfo`, `cuda_aware` (world.py) and
+`GradSync` (gradsync.py). wire.py holds the 16-bit wire formats and MPI ops that GradSync uses.
+"""
+
+from .gradsync import GradSync
+from .world import Comm, MpiInfo, cuda_aware, mpi_info, self_comm, world
+
+__all__ = ["Comm", "GradSync", "MpiInfo", "cuda_aware", "mpi_info", "self_comm", "world"]

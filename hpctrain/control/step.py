@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm.core import Comm, GradSync
+from ..comm import Comm, GradSync
 from ..base.config import TrainConfig
 from ..data.reader import ShardReader
 from ..base.rankenv import RankEnv

@@ -28,9 +28,10 @@ from typing import Any
 from . import checkpoint as ckpt
 from . import rngstate
 from . import runlog
-from ..comm.core import Comm, GradSync, world
+from ..comm import Comm, GradSync, world
 from ..base.config import TrainConfig
-from ..data.reader import ShardReader, ShardSet, epoch_remainder, load_manifest
+from ..data.reader import ShardReader, epoch_remainder
+from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import replacing, write_text
 from ..base.rankenv import RankEnv, read_env, select_device
 from ..base.errors import CheckpointError, ConfigError, HpctrainError
@@ -58,7 +59,7 @@ def _resolve_resume(cfg: TrainConfig, warn: Any) -> Path | None:
     path = Path(cfg.resume)
     if not path.is_dir():
         raise CheckpointError(f"--resume {cfg.resume!r}: no such checkpoint directory; use auto, never or a RUN/checkpoints/step-* path")
-    ckpt.check(path)
+    ckpt.verify(path)
     return path
 
 
@@ -322,13 +323,13 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     optimizer = make_optimizer(cfg, model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg.schedule, total_steps))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
-    sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.compress,
+    sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.grad_compression,
                     hierarchical=cfg.hierarchical, deterministic=cfg.deterministic)
     stack.callback(sync.close)
     for note in sync.notes:
         log.warning(note)
     log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s", len(sync.buckets), cfg.bucket_mb,
-             sync.overlap, cfg.compress)
+             sync.overlap, cfg.grad_compression)
     watchdog.phase("start-up: checkpoint manager", start.step)
     manager = ckpt.CheckpointManager(
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
@@ -344,7 +345,7 @@ def _restore(run: Run) -> dict[str, int]:
     cfg, comm, start = run.cfg, run.comm, run.start
     state = start.state
     meta = state["meta"]
-    changes = _config_changes(meta.get("config", {}), cfg.to_dict())
+    changes = _config_changes(TrainConfig.upgrade(meta.get("config", {})), cfg.to_dict())
     planned = meta.get("schedule_steps")
     if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
         changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "

@@ -1,10 +1,9 @@
-"""The shard format: manifest, integrity checks and the per-rank reader.
+"""The per-rank reader of a shard set (the format, its manifest and checks: `shardformat`).
 
-`hpctrain shard` (module `sharding`) writes `OUT/manifest.json` and `OUT/{train,val}/shard-*.h5`; this
-module reads them. Rank r of W reads shards r, r+W, r+2W, ... and nothing else. Every rank knows the sample
-count of every shard from the manifest, so all ranks agree on the number of steps of an epoch without
-talking; a rank whose shards hold fewer samples gets a short (or empty) last batch instead of hanging the
-others in an allreduce, and every sample is still used exactly once per epoch.
+Rank r of W reads shards r, r+W, r+2W, ... and nothing else. Every rank knows the sample count of every
+shard from the manifest, so all ranks agree on the number of steps of an epoch without talking; a rank
+whose shards hold fewer samples gets a short (or empty) last batch instead of hanging the others in an
+allreduce, and every sample is still used exactly once per epoch.
 
 Reading is block-wise (contiguous h5py slices, never per-sample indexing). With shuffling, the blocks of
 the rank's shards are permuted and gathered into windows; the samples of each window are permuted again.
@@ -14,8 +13,6 @@ uniform permutation). The order is a pure function of (seed, epoch, rank, world 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import queue
 import threading
@@ -27,155 +24,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..base.durable import sha256_file  # noqa: F401 - also this module's API (verify, tests)
-from ..base.errors import ConfigError, DataError
+from ..base.errors import DataError
 from .hdf5env import reader_locking
+from .shardformat import ShardFile, ShardSet
 from ..base.threads import join_logged
 
-MANIFEST = "manifest.json"
-FORMAT = "hpctrain-shards"
-VERSION = 1
-SPLITS = ("train", "val")
 JOIN_TIMEOUT_S = 10.0  # how long closing a reader waits for its threads before leaving them (logged)
 
-
-def shard_name(index: int, count: int) -> str:
-    return f"shard-{index:05d}-of-{count:05d}.h5"
-
-
-@dataclass(frozen=True, slots=True)
-class ShardFile:
-    path: Path
-    samples: int
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True)
-class ShardSet:
-    """A loaded, validated manifest."""
-
-    root: Path
-    manifest: dict[str, Any]
-    num_shards: int
-    num_classes: int
-    x_shape: tuple[int, ...]
-    x_dtype: str
-    splits: dict[str, list[ShardFile]]
-
-    @property
-    def fingerprint(self) -> str:
-        """sha256 of the manifest's content: the identity of this dataset in checkpoints."""
-        canonical = json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(canonical).hexdigest()
-
-    def normalize(self, x: np.ndarray) -> np.ndarray:
-        """x as train feeds it: stored integers (uint8 images) become float32 with the manifest's
-        normalization, (x * scale - mean[c]) / std[c] per channel c (axis 1); floats pass as they are."""
-        norm = self.manifest.get("normalization")
-        if norm is None or np.issubdtype(x.dtype, np.floating):
-            return x
-        out = x.astype(np.float32) * np.float32(norm.get("scale", 1.0))
-        mean = np.asarray(norm.get("mean", [0.0]), np.float32)
-        std = np.asarray(norm.get("std", [1.0]), np.float32)
-        shape = (1, -1) + (1,) * (out.ndim - 2) if out.ndim >= 2 and mean.size > 1 else (1,) * out.ndim
-        out -= mean.reshape(shape) if mean.size > 1 else mean[0]
-        out /= std.reshape(shape) if std.size > 1 else std[0]
-        return out
-
-    def samples(self, split: str) -> int:
-        return sum(s.samples for s in self.splits.get(split, []))
-
-    def rank_shards(self, split: str, rank: int, world: int) -> list[ShardFile]:
-        return self.splits.get(split, [])[rank::world]
-
-    def check_world(self, world: int) -> None:
-        if self.num_shards % world:
-            divisors = [w for w in range(1, self.num_shards + 1) if self.num_shards % w == 0]
-            raise ConfigError(
-                f"the data in {self.root} has {self.num_shards} shards, which {world} ranks cannot share evenly: "
-                f"run on {', '.join(map(str, divisors))} ranks, or reshard with "
-                f"`hpctrain shard SOURCE OUT --shards {world * max(1, self.num_shards // world + 1)}`"
-            )
-
-
-def _inside(root: Path, rel: str) -> Path:
-    """The path of a manifest entry, refusing entries that escape the dataset directory."""
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute():
-        raise DataError(f"manifest entry {rel!r} in {root / MANIFEST} must be a path relative to {root}")
-    path = (root / rel).resolve()
-    if not path.is_relative_to(root.resolve()):
-        raise DataError(f"manifest entry {rel!r} in {root / MANIFEST} points outside {root}; refusing to read it")
-    return path
-
-
-def load_manifest(root: Path | str) -> ShardSet:
-    """Read and check `root/manifest.json`; raise DataError naming what is wrong and how to fix it."""
-    root = Path(root)
-    mpath = root / MANIFEST
-    if not root.exists():
-        raise DataError(f"--data {str(root)!r} does not exist: create it with `hpctrain shard SOURCE {root}`")
-    if not mpath.is_file():
-        raise DataError(f"{str(mpath)!r} not found: is {str(root)!r} a directory written by `hpctrain shard`?")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{str(mpath)!r} is not valid JSON ({exc}); re-create it with `hpctrain shard`") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError(f"{str(mpath)!r} is not an hpctrain manifest (format must be {FORMAT!r})")
-    if manifest.get("version") != VERSION:
-        raise DataError(f"{str(mpath)!r} has version {manifest.get('version')!r}; this hpctrain reads version {VERSION}")
-    try:
-        num_shards = int(manifest["num_shards"])
-        num_classes = int(manifest["num_classes"])
-        x_shape = tuple(int(d) for d in manifest["x"]["shape"])
-        x_dtype = str(manifest["x"]["dtype"])
-        splits: dict[str, list[ShardFile]] = {}
-        for split, body in manifest["splits"].items():
-            if split not in SPLITS:
-                raise DataError(f"{str(mpath)!r} has an unknown split {split!r}; expected {', '.join(SPLITS)}")
-            files = [ShardFile(_inside(root, e["file"]), int(e["samples"]), str(e["sha256"])) for e in body["shards"]]
-            if len(files) != num_shards:
-                raise DataError(f"{str(mpath)!r}: split {split!r} lists {len(files)} shards, expected {num_shards}")
-            splits[split] = files
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DataError(f"{str(mpath)!r} is missing or has a malformed field ({exc}); re-create it with `hpctrain shard`") from exc
-    if "train" not in splits:
-        raise DataError(f"{str(mpath)!r} has no train split")
-    for files in splits.values():
-        for f in files:
-            if not f.path.is_file():
-                raise DataError(f"shard {str(f.path)!r} listed in {str(mpath)!r} is missing; re-create the data with `hpctrain shard`")
-    return ShardSet(root, manifest, num_shards, num_classes, x_shape, x_dtype, splits)
-
-
-def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False) -> list[str]:
-    """Re-hash every shard (or, with `quick`, check sizes and datasets only); return the problems found."""
-    import h5py
-
-    from ..base.progress import Progress
-
-    shards = load_manifest(root)
-    problems: list[str] = []
-    everything = [f for files in shards.splits.values() for f in files]
-    with Progress(len(everything), "verify", enabled=show_progress, unit="files") as bar:
-        for f in everything:
-            bar.update(1)
-            try:
-                with h5py.File(f.path, "r", locking=reader_locking()) as h5:
-                    n = {name: h5[name].shape[0] for name in ("x", "y", "index")}
-            except (OSError, KeyError) as exc:
-                problems.append(f"{f.path}: unreadable or missing a dataset ({exc})")
-                continue
-            if set(n.values()) != {f.samples}:
-                problems.append(f"{f.path}: holds {n} samples, the manifest says {f.samples}")
-            if not quick and sha256_file(f.path) != f.sha256:
-                problems.append(f"{f.path}: sha256 differs from the manifest (file changed or corrupt)")
-    return problems
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class Batch:
@@ -192,20 +47,20 @@ class ShardReader:
     global batch.
     """
 
-    def __init__(self, shards: ShardSet, split: str, *, rank: int, world: int, batch_size: int,
+    def __init__(self, shardset: ShardSet, split: str, *, rank: int, world: int, batch_size: int,
                  shuffle: bool = True, seed: int = 0, block_rows: int | None = None,
                  window_rows: int | None = None, prefetch: int = 2, exclude: np.ndarray | None = None,
                  segment: int = 0):
-        shards.check_world(world)
-        self.shards = shards
+        shardset.check_world(world)
+        self.shardset = shardset
         self.split = split
         self.rank = rank
         self.world = world
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
-        self.files = shards.rank_shards(split, rank, world)
-        self.counts = np.array([sum(f.samples for f in shards.rank_shards(split, r, world)) for r in range(world)])
+        self.files = shardset.rank_shards(split, rank, world)
+        self.counts = np.array([sum(f.samples for f in shardset.rank_shards(split, r, world)) for r in range(world)])
         # Elastic resume: the rest of an epoch started on another world size. `exclude` holds the ids already
         # trained on this epoch; `segment` numbers the world-size changes inside the epoch (it salts the order).
         self._salt = [segment] if segment else []
@@ -214,7 +69,7 @@ class ShardReader:
             self._keep, self.counts = self._exclusion(np.unique(exclude))
         self.samples = int(self.counts[rank])
         self.steps_per_epoch = int(max(0, -(-int(self.counts.max()) // batch_size)))
-        row_bytes = max(1, int(np.prod(shards.x_shape)) * np.dtype(shards.x_dtype).itemsize)
+        row_bytes = max(1, int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize)
         # blocks of about 2 MiB: large enough that h5py's per-read cost is small, small enough to shuffle well
         self.block_rows = block_rows or int(min(8192, max(64, (2 << 20) // row_bytes)))
         # a shuffle window holds up to 64 MiB of samples (at most 65,536 of them)
@@ -235,7 +90,7 @@ class ShardReader:
         counts, masks = [], {}
         for r in range(self.world):
             n = 0
-            for i, f in enumerate(self.shards.rank_shards(self.split, r, self.world)):
+            for i, f in enumerate(self.shardset.rank_shards(self.split, r, self.world)):
                 with h5py.File(f.path, "r", locking=reader_locking()) as h5:
                     ids = h5["index"][()]
                 pos = np.searchsorted(exclude, ids).clip(max=len(exclude) - 1)
@@ -367,7 +222,7 @@ class ShardReader:
         if rows > self._ring_rows:
             self._ring_rows, self._ring, self._next = rows, [], 0  # a fresh ring: count from its start
         if len(self._ring) < 4:
-            self._ring.append({"x": np.empty((self._ring_rows, *self.shards.x_shape), np.dtype(self.shards.x_dtype)),
+            self._ring.append({"x": np.empty((self._ring_rows, *self.shardset.x_shape), np.dtype(self.shardset.x_dtype)),
                                "y": np.empty(self._ring_rows, np.int64), "index": np.empty(self._ring_rows, np.int64)})
             bufs = self._ring[-1]
         else:
@@ -405,7 +260,7 @@ class ShardReader:
 
     def _gather(self, epoch: int, start_step: int, stream: Iterator[list[Any]]) -> Iterator[Batch]:
         pending: deque[list[Any]] = deque()
-        empty = Batch(self.shards.normalize(np.empty((0, *self.shards.x_shape), self.shards.x_dtype)),
+        empty = Batch(self.shardset.normalize_on_read(np.empty((0, *self.shardset.x_shape), self.shardset.x_dtype)),
                       np.empty(0, np.int64), np.empty(0, np.int64))
         for step in range(start_step, self.steps_per_epoch):
             want = int(self.step_sizes(step)[self.rank])
@@ -434,7 +289,7 @@ class ShardReader:
                 bx, by, bix = pieces[0]
             else:
                 bx, by, bix = (np.concatenate([p[k] for p in pieces]) for k in range(3))
-            yield Batch(self.shards.normalize(bx), by, bix)
+            yield Batch(self.shardset.normalize_on_read(bx), by, bix)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """The batches of `epoch` from `start_step` on, made ahead by a background thread (which itself
@@ -483,7 +338,7 @@ class ShardReader:
         self._handles.clear()
 
 
-def epoch_remainder(shards: ShardSet, split: str, segments: list[tuple[int, int]], *, batch_size: int,
+def epoch_remainder(shardset: ShardSet, split: str, segments: list[tuple[int, int]], *, batch_size: int,
                     shuffle: bool, seed: int, epoch: int) -> np.ndarray:
     """Ids already trained on in `epoch` by earlier segments [(world size, steps), ...]: the sets each of
     their ranks consumed, each segment reading what the ones before it left. Pure function of its inputs."""
@@ -491,7 +346,7 @@ def epoch_remainder(shards: ShardSet, split: str, segments: list[tuple[int, int]
     for j, (world, steps) in enumerate(segments):
         parts = [done]
         for r in range(world):
-            reader = ShardReader(shards, split, rank=r, world=world, batch_size=batch_size, shuffle=shuffle,
+            reader = ShardReader(shardset, split, rank=r, world=world, batch_size=batch_size, shuffle=shuffle,
                                  seed=seed, exclude=done, segment=j, prefetch=0)
             parts.append(reader.consumed(epoch, steps))
             reader.close()

@@ -12,17 +12,17 @@ bench ...`, or let the CLI launch itself) and returns, on every rank, a plain di
 
 from __future__ import annotations
 
+import itertools
 import socket
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..comm.core import Comm, GradSync
-from ..base.rankenv import read_env
+from ..comm import Comm, GradSync, self_comm
+from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
-
 
 
 def parse_size(text: str) -> int:
@@ -55,11 +55,8 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
     """Allreduce time and bandwidth per size: raw mpi4py vs hpctrain's bucketed GradSync."""
     import torch
 
-    from ..comm.core import _mpi
-
     from ..base.progress import Progress
 
-    MPI = _mpi()
     rows = []
     n = comm.size
     bar = Progress(len(sizes), "bench allreduce", enabled=comm.rank == 0, unit="sizes")
@@ -68,7 +65,7 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
         count = max(1, size // 4)
         reps = iters or int(min(200, max(5, (64 << 20) // max(size, 1) // 4)))
         raw = np.ones(count, np.float32)
-        raw_s = _median_time(comm, lambda: comm.mpi.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM), reps)
+        raw_s = _median_time(comm, lambda: comm.allreduce_inplace(raw), reps)
         param = torch.nn.Parameter(torch.zeros(count))
         sync = GradSync([param], comm, bucket_mb=bucket_mb, overlap=False)
         hp_s = _median_time(comm, sync.wait, reps)
@@ -86,13 +83,6 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
     return {"world_size": n, "bucket_mb": bucket_mb, "sizes": rows}
 
 
-def _idle_wait(comm: Comm) -> None:
-    """Wait for rank 0 without spinning a core (an MPI barrier busy-polls and would steal rank 0's CPU)."""
-    req = comm.mpi.Ibarrier()
-    while not req.Test():
-        time.sleep(0.005)
-
-
 def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int = 784, classes: int = 10,
                 batch_size: int = 64, steps: int = 30, rounds: int = 3, bucket_mb: float = 25.0,
                 baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none",
@@ -105,9 +95,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
-    rng = np.random.default_rng(comm.rank)
-    xs = [rng.standard_normal((batch_size, input_dim), dtype=np.float32) for _ in range(8)]
-    ys = [rng.integers(0, classes, batch_size) for _ in range(8)]
+    xs, ys = _random_batches(comm.rank, batch_size, input_dim, classes)
+    batches = itertools.cycle(list(zip(xs, ys)))  # one cycle for both steps: each takes the next batch
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
     def fresh_model() -> Any:
@@ -115,6 +104,61 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         return build_model(model_spec, (input_dim,), classes)
 
     # hpctrain: the exact step `hpctrain train` runs
+    device, overlap = _device_and_overlap(env, device, overlap)
+    model = fresh_model().to(device)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sync = GradSync(model.parameters(), comm, bucket_mb=bucket_mb, overlap=overlap, compress=compress)
+    global_n = batch_size * comm.size
+    comm_times: list[float] = []
+
+    def hp_step() -> None:
+        x, y = next(batches)
+        train_step(model, sync, opt, loss_fn, x, y, global_n, device=device)
+        comm_times.append(sync.comm_seconds)
+
+    ddp_step = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
+    hp_times, ddp_times = _timed_rounds(comm, hp_step, ddp_step, steps, rounds, warmed=comm_times.clear)
+    hp_ms = statistics.median(hp_times) * 1e3
+    result: dict[str, Any] = {
+        "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
+        "torch_threads": torch.get_num_threads(), "device": str(device), "staging": sync.staging,
+        "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress,
+        "hpctrain": {"step_ms": hp_ms, "samples_per_s": global_n / hp_ms * 1e3,
+                     "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
+    }
+    if ddp_step:
+        ddp_ms = statistics.median(ddp_times) * 1e3
+        result["ddp"] = {"step_ms": ddp_ms, "samples_per_s": global_n / ddp_ms * 1e3}
+        result["ddp_over_hpctrain"] = ddp_ms / hp_ms
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if comm.size > 1:
+        result.update(_sync_beside_raw(comm, sync, params))
+    sync.close()
+
+    def solo_step(solo: GradSync) -> None:
+        train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size, device=device)
+
+    one_ms = _one_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps, rounds=rounds)
+    result["single_rank_step_ms"] = one_ms
+    result["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * batch_size / one_ms)
+    return result
+
+
+def _random_batches(rank: int, batch_size: int, input_dim: int, classes: int) -> tuple[list[Any], list[Any]]:
+    """Eight batches of random inputs and labels, seeded by the rank."""
+    rng = np.random.default_rng(rank)
+    xs = [rng.standard_normal((batch_size, input_dim), dtype=np.float32) for _ in range(8)]
+    ys = [rng.integers(0, classes, batch_size) for _ in range(8)]
+    return xs, ys
+
+
+def _device_and_overlap(env: RankEnv, device: str, overlap: bool | None) -> tuple[Any, bool]:
+    """This rank's device (`cuda`: its own GPU, made current) and the overlap `hpctrain train` would pick."""
+    import torch
+
     if device == "cuda":
         from ..base.rankenv import select_device
 
@@ -124,21 +168,14 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         from ..control.step import auto_overlap
 
         overlap = auto_overlap(env, torch.device(device).type)
-    model = fresh_model().to(device)
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    sync = GradSync(model.parameters(), comm, bucket_mb=bucket_mb, overlap=overlap, compress=compress)
-    global_n = batch_size * comm.size
-    counter = [0]
-    comm_times: list[float] = []
+    return device, overlap
 
-    def hp_step() -> None:
-        i = counter[0] % len(xs)
-        counter[0] += 1
-        train_step(model, sync, opt, loss_fn, xs[i], ys[i], global_n, device=device)
-        comm_times.append(sync.comm_seconds)
 
-    ddp_step = None
+def _ddp_baseline(comm: Comm, env: RankEnv, baseline: str | None, device: Any, fresh_model: Callable[[], Any],
+                  batches: Iterator[tuple[Any, Any]]) -> Callable[[], None] | None:
+    """The baseline's step: torch DDP over gloo on the same model and batches (CPU, 2+ ranks), else None."""
+    import torch
+
     if baseline == "ddp" and comm.size > 1 and device == "cpu":
         import torch.distributed as dist
 
@@ -153,15 +190,22 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
         ddp_loss = torch.nn.CrossEntropyLoss()
 
-        def ddp_step() -> None:  # noqa: F811 - the baseline as DDP users write it
-            i = counter[0] % len(xs)
-            counter[0] += 1
+        def ddp_step() -> None:  # the baseline as DDP users write it
+            x, y = next(batches)
             ddp_opt.zero_grad(set_to_none=True)
-            ddp_loss(ddp_model(torch.from_numpy(xs[i])), torch.from_numpy(ys[i])).backward()
+            ddp_loss(ddp_model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
             ddp_opt.step()
-    elif baseline not in (None, "none", "ddp"):
-        raise ConfigError(f"unknown --baseline {baseline!r}: choose ddp or none")
 
+        return ddp_step
+    if baseline not in (None, "none", "ddp"):
+        raise ConfigError(f"unknown --baseline {baseline!r}: choose ddp or none")
+    return None
+
+
+def _timed_rounds(comm: Comm, hp_step: Callable[[], None], ddp_step: Callable[[], None] | None, steps: int,
+                  rounds: int, *, warmed: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """Median step times per round, hpctrain's and the baseline's alternating; `warmed` runs after the
+    warm-up steps of both."""
     from ..base.progress import Progress
 
     bar = Progress(rounds, "bench train", enabled=comm.rank == 0, unit="rounds")
@@ -171,76 +215,54 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         hp_step()
         if ddp_step:
             ddp_step()
-    comm_times.clear()
+    warmed()
     for _ in range(rounds):
         hp_times.append(_median_time(comm, hp_step, steps, warmup=1))
         if ddp_step:
             ddp_times.append(_median_time(comm, ddp_step, steps, warmup=1))
         bar.update(1, hpctrain_ms=f"{hp_times[-1] * 1e3:.1f}")
     bar.close()
-    hp_ms = statistics.median(hp_times) * 1e3
-    result: dict[str, Any] = {
-        "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
-        "torch_threads": torch.get_num_threads(), "device": str(device), "staging": getattr(sync, "_staging", False),
-        "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress,
-        "hpctrain": {"step_ms": hp_ms, "samples_per_s": global_n / hp_ms * 1e3,
-                     "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
-    }
-    if ddp_step:
-        ddp_ms = statistics.median(ddp_times) * 1e3
-        result["ddp"] = {"step_ms": ddp_ms, "samples_per_s": global_n / ddp_ms * 1e3}
-        result["ddp_over_hpctrain"] = ddp_ms / hp_ms
-        import torch.distributed as dist
+    return hp_times, ddp_times
 
-        dist.destroy_process_group()
 
-    # sync of all gradients alone, beside one raw allreduce of the same bytes
-    if comm.size > 1:
-        from ..comm.core import _mpi
+def _sync_beside_raw(comm: Comm, sync: GradSync, params: int) -> dict[str, float]:
+    """The sync of all gradients alone, beside one raw allreduce of the same bytes."""
+    flat = np.ones(params, np.float32)  # raw MPI on host memory: the bound for the staging path too
+    raw_ms = _median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
 
-        MPI = _mpi()
-        flat = np.ones(params, np.float32)  # raw MPI on host memory: the bound for the staging path too
-        raw_ms = _median_time(comm, lambda: comm.mpi.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM), 20) * 1e3
+    sync_times = []
+    for _ in range(22):
+        sync.zero()  # zeroing belongs to the next step, not to the sync: keep it out of the timing
+        comm.barrier()
+        t0 = time.perf_counter()
+        sync.wait()
+        sync_times.append(time.perf_counter() - t0)
+    sync_ms = float(comm.allreduce_array([statistics.median(sync_times[2:])], op="max")[0]) * 1e3
+    return {"sync_ms": sync_ms, "raw_allreduce_ms": raw_ms, "sync_over_raw": sync_ms / raw_ms}
 
-        sync_times = []
-        for _ in range(22):
-            sync.zero()  # zeroing belongs to the next step, not to the sync: keep it out of the timing
-            comm.barrier()
-            t0 = time.perf_counter()
-            sync.wait()
-            sync_times.append(time.perf_counter() - t0)
-        sync_ms = float(comm.allreduce_array([statistics.median(sync_times[2:])], op="max")[0]) * 1e3
-        result.update(sync_ms=sync_ms, raw_allreduce_ms=raw_ms, sync_over_raw=sync_ms / raw_ms)
-    sync.close()
 
-    # one rank alone on the machine: the others wait without spinning
+def _one_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync], None], *, bucket_mb: float,
+                       steps: int, rounds: int) -> float:
+    """Rank 0's step time with itself as the world (COMM_SELF), on every rank; the others wait meanwhile
+    without spinning (an MPI barrier busy-polls and would steal rank 0's CPU)."""
     if comm.rank == 0:
-        from ..comm.core import self_comm
-
-        solo_comm = self_comm()
-        solo = GradSync(model.parameters(), solo_comm, bucket_mb=bucket_mb)
+        solo = GradSync(model.parameters(), self_comm(), bucket_mb=bucket_mb)
         solo_times = []
         for _ in range(rounds):
             for _ in range(2):
-                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size, device=device)
+                solo_step(solo)
             ts = []
             for _ in range(steps):
                 t0 = time.perf_counter()
-                train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size, device=device)
+                solo_step(solo)
                 ts.append(time.perf_counter() - t0)
             solo_times.append(statistics.median(ts))
         solo.close()
         one_ms = statistics.median(solo_times) * 1e3
     else:
         one_ms = 0.0
-    if comm.size > 1 and comm.rank != 0:
-        _idle_wait(comm)
-    elif comm.size > 1:
-        comm.mpi.Ibarrier().Wait()
-    one_ms = float(comm.bcast(one_ms))
-    result["single_rank_step_ms"] = one_ms
-    result["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * batch_size / one_ms)
-    return result
+    comm.idle_barrier(None if comm.rank == 0 else 0.005)
+    return float(comm.bcast(one_ms))
 
 
 def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2, shuffle: bool = True) -> dict[str, Any]:
@@ -251,7 +273,8 @@ def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2,
     """
     import h5py
 
-    from ..data.reader import ShardReader, load_manifest
+    from ..data.reader import ShardReader
+    from ..data.shardformat import load_manifest
     from ..data.hdf5env import reader_locking
 
     shards = load_manifest(data)

@@ -3,7 +3,7 @@
 Three steps, so the judgement can be tested on any facts: `collect()` gathers this rank's facts (MPI library,
 thread level and CUDA-aware support from the comm layer's run-time probe, the launcher and Slurm environment, the
 GPUs visible and the one this rank would use, HDF5's version and file locking, torch's threads against the CPUs
-the rank owns); `check(facts)` is a pure function from those facts to problems; `doctor(comm)` runs both on every
+the rank owns); `problems(facts)` is a pure function from those facts to problems; `doctor(comm)` runs both on every
 rank and gathers the reports, so every rank returns the same combined report. `format_report()` renders it.
 """
 
@@ -27,7 +27,7 @@ def _gpus_assigned(cuda_visible_devices: str | None) -> bool:
 
 def _mpi_facts() -> dict[str, Any]:
     """The MPI library as the comm layer sees it; rank and size are COMM_WORLD's (what the launcher wired up)."""
-    from ..comm.core import mpi_info, world
+    from ..comm import mpi_info, world
 
     try:
         info = mpi_info()
@@ -111,7 +111,7 @@ def _problem(check: str, message: str, fix: str) -> dict[str, str]:
     return {"check": check, "message": message, "fix": fix}
 
 
-def check(facts: dict[str, Any]) -> list[dict[str, str]]:
+def problems(facts: dict[str, Any]) -> list[dict[str, str]]:
     """The problems in one rank's facts (a pure function), each with a one-line fix."""
     problems = []
     mpi, launcher, gpus, torch, hdf5 = (facts[k] for k in ("mpi", "launcher", "gpus", "torch", "hdf5"))
@@ -199,21 +199,21 @@ def doctor(comm: Any = None) -> dict[str, Any]:
     and `ranks` (every rank's facts and problems, in rank order).
     """
     if comm is None:
-        from ..comm.core import world
+        from ..comm import world
 
         try:
             comm = world()
         except HpctrainError:
             comm = None
     facts = collect(mpi_started=comm is not None)
-    facts["problems"] = check(facts)
+    facts["problems"] = problems(facts)
     reports = comm.allgather(facts) if comm is not None else [facts]
     merged: dict[tuple[str, str, str], list[int]] = {}
     for report in reports:
         for p in report["problems"]:
             merged.setdefault((p["check"], p["message"], p["fix"]), []).append(report["rank"])
-    problems = [{"check": c, "message": m, "fix": f, "ranks": r} for (c, m, f), r in merged.items()]
-    return {"ok": not problems, "world_size": len(reports), "problems": problems, "ranks": reports}
+    found = [{"check": c, "message": m, "fix": f, "ranks": r} for (c, m, f), r in merged.items()]
+    return {"ok": not found, "world_size": len(reports), "problems": found, "ranks": reports}
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..base.config import read_toml
+from ..base.config import TrainConfig, read_toml
 from ..base.durable import replacing, write_text
 from ..base.errors import ConfigError, DataError
 
@@ -121,7 +121,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
 
 def _read_config(path: Path) -> dict[str, Any] | None:
     try:
-        return read_toml(path.read_text())
+        return TrainConfig.upgrade(read_toml(path.read_text()))  # a run written before a rename reads the same
     except (OSError, ValueError):  # TOMLDecodeError is a ValueError
         return None  # the config is context for the reader, not needed for the numbers
 
@@ -340,7 +340,7 @@ def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
         lines += [f"| {k} | {_fmt(summary[k])} |" for k in keys if k in summary]
         lines.append("")
     if config:
-        picked = ["model", "optimizer", "lr", "batch_size", "schedule", "epochs", "compress"]
+        picked = ["model", "optimizer", "lr", "batch_size", "schedule", "epochs", "grad_compression"]
         shown = ", ".join(f"{k} {config[k]}" for k in picked if k in config)
         if shown:
             link = Path(os.path.relpath(run["run_dir"] / "config.toml", out_dir)).as_posix()

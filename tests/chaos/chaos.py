@@ -162,7 +162,7 @@ class Case:
     def train_args(self, data_dir: Path, run_dir: Path) -> list[str]:
         return ["--data", str(data_dir), "--run-dir", str(run_dir), "--batch-size", str(self.batch_size),
                 "--accumulate", str(self.accumulate), "--epochs", str(self.epochs), "--max-steps", str(self.max_steps),
-                "--overlap" if self.overlap else "--no-overlap", "--compress", self.compress,
+                "--overlap" if self.overlap else "--no-overlap", "--grad-compression", self.compress,
                 "--checkpoint-every", str(self.checkpoint_every), "--log-every", str(self.log_every),
                 "--collective-timeout", str(self.collective_timeout), "--seed", str(self.train_seed)]
 

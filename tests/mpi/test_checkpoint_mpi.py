@@ -15,6 +15,7 @@ import pytest
 
 from conftest import PYTHON, hpctrain, mpi_env, summary
 from hpctrain.control import checkpoint as ckpt
+from hpctrain.control.ckptformat import part_name
 
 pytestmark = pytest.mark.mpi
 
@@ -66,11 +67,11 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical(digits2: Path, tmp_path:
     assert proc.returncode == 3, err
     assert "continue with --resume auto" in err
     latest = ckpt.latest(run)
-    meta = ckpt.check(latest)
+    meta = ckpt.verify(latest)
     assert meta["step"] >= 100 and meta["step"] < reference["steps"]
     assert not (run / "summary.json").exists()
     # each rank wrote about half of the (replicated) model and optimizer bytes
-    sizes = [(latest / ckpt.part_name(r)).stat().st_size for r in range(2)]
+    sizes = [(latest / part_name(r)).stat().st_size for r in range(2)]
     assert meta["parts"] == 2 and min(sizes) > 0.8 * max(sizes), sizes
     hpctrain(["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(run), *ARGS,
               "--audit-samples"])
@@ -99,7 +100,7 @@ def test_kill_9_one_rank_ends_job_and_resume_is_bit_identical(digits2: Path, tmp
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert time.time() - killed_at < 30
-    step = ckpt.check(ckpt.latest(run))["step"]
+    step = ckpt.verify(ckpt.latest(run))["step"]
     assert step >= 80
     hpctrain(["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(run), *ARGS,
               "--checkpoint-every", "40"])
@@ -114,7 +115,7 @@ def test_kill_9_one_rank_ends_job_and_resume_is_bit_identical(digits2: Path, tmp
 SAVER = r"""
 import os, sys, torch
 from hpctrain.control.checkpoint import CheckpointManager
-from hpctrain.comm.core import Comm
+from hpctrain.comm import Comm
 for line in sys.stdin:  # one forked saver per line; torch is imported once
     base = int(line)
     pid = os.fork()
@@ -174,7 +175,7 @@ def test_on_resume_only_rank_0_reads_and_verifies_the_checkpoints(tmp_path: Path
     base = ["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(run), "--checkpoint-every", "10",
             "--keep", "3"]
     hpctrain([*base, "--max-steps", "30"])
-    with open(run / "checkpoints" / "step-0000030" / ckpt.part_name(1), "r+b") as fh:  # rank 1's part
+    with open(run / "checkpoints" / "step-0000030" / part_name(1), "r+b") as fh:  # rank 1's part
         fh.truncate(100)
     proc = hpctrain([*base, "--max-steps", "40"])
     assert "damaged checkpoint" in proc.stderr

@@ -83,7 +83,7 @@ def test_strict_fails_every_rank_when_ranks_oversubscribe_the_cores() -> None:
 
 
 SCRIPT = textwrap.dedent("""\
-    from hpctrain.comm.core import self_comm, world
+    from hpctrain.comm import self_comm, world
     from hpctrain.tools.doctor import doctor
 
     comm_world = world()

@@ -37,7 +37,7 @@ def test_four_ranks_to_two_mid_epoch(tmp_path: Path) -> None:
     os.kill(proc.pid, signal.SIGTERM)
     proc.communicate(timeout=90)
     assert proc.returncode == 3
-    meta = ckpt.check(ckpt.latest(run))
+    meta = ckpt.verify(ckpt.latest(run))
     assert meta["world_size"] == 4 and meta["epoch"] == 1 and 0 < meta["step_in_epoch"] < 23
 
     hpctrain(["launch", "-n", "2", "--", "train", "--data", str(data), "--run-dir", str(run), *ARGS])

@@ -24,7 +24,7 @@ def test_digits_png_folder_trains_a_cnn_on_two_ranks(tmp_path: Path) -> None:
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["x"] == {"dtype": "uint8", "shape": [1, 8, 8]}
     assert manifest["classes"] == [str(d) for d in range(10)] and manifest["num_samples"] == 1797
-    assert set(manifest["normalization"]) >= {"scale", "mean", "std"}
+    assert set(manifest["normalize_on_read"]) >= {"scale", "mean", "std"}
 
     run = tmp_path / "run"
     mpirun(2, ["train", "--data", str(data), "--run-dir", str(run), "--model", "cnn", "--optimizer", "adam",

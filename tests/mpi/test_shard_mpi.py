@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import hpctrain, mpirun
-from hpctrain.data.reader import load_manifest, verify
+from hpctrain.data.shardformat import load_manifest, verify
 
 pytestmark = pytest.mark.mpi
 
@@ -26,7 +26,7 @@ def contents(out: Path) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_parallel_shard_equals_serial(tmp_path: Path, n: int) -> None:
-    args = ["synthetic:3001:6:4", "--shards", "4", "--normalize", "standard", "--compression", "lzf", "--chunk-rows", "100"]
+    args = ["synthetic:3001:6:4", "--shards", "4", "--normalize", "standard", "--hdf5-compression", "lzf", "--chunk-rows", "100"]
     hpctrain(["shard", args[0], str(tmp_path / "serial"), *args[1:]])
     proc = mpirun(n, ["shard", args[0], str(tmp_path / "par"), *args[1:]])
     assert proc.stdout.count("wrote 4 shards") == 1  # rank 0 reports once
@@ -38,7 +38,7 @@ def test_parallel_shard_equals_serial(tmp_path: Path, n: int) -> None:
     assert verify(tmp_path / "par") == []
     assert {p.name for p in tmp_path.iterdir()} == {"serial", "par"}  # no temporary directory left
     m = json.loads((tmp_path / "par" / "manifest.json").read_text())
-    assert m["normalize"]["method"] == "standard"
+    assert m["normalized_on_write"]["method"] == "standard"
     train = np.concatenate([v[0] for k, v in b.items() if k.startswith("train/")])
     np.testing.assert_allclose(train.mean(axis=0), 0, atol=1e-5)
     np.testing.assert_allclose(train.std(axis=0), 1, atol=1e-4)

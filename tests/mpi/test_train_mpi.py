@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import hpctrain, mpirun, summary
-from hpctrain.data.reader import ShardReader, load_manifest
+from hpctrain.data.reader import ShardReader
+from hpctrain.data.shardformat import load_manifest
 from hpctrain.compute.models import build_model
 
 pytestmark = pytest.mark.mpi

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import hpctrain, mpi_env, summary
-from hpctrain.tools.slurm import SubmitConfig, job_status, render_sbatch
+from hpctrain.tools.slurm.config import SubmitConfig
+from hpctrain.tools.slurm.render import render_sbatch
+from hpctrain.tools.slurm.status import job_status
 
 from slurm_util import cli, cluster_session, submit_json, wait_for
 

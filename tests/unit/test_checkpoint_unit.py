@@ -1,22 +1,24 @@
-"""The checkpoint module's in-process parts: staging buffers, the part-file format, the split of the writing
+"""The checkpoint modules' in-process parts: staging buffers, the part-file format, the split of the writing
 over ranks, and a save/load round trip (one process, no MPI: the multi-rank tests are in tests/mpi)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpctrain.control import checkpoint as ckpt
-from hpctrain.comm.core import Comm
+from hpctrain.control import ckptformat, ckptwriter
+from hpctrain.comm import Comm
 from hpctrain.base.durable import sha256_file
 from hpctrain.base.errors import CheckpointError
 
 
 def test_staging_reuses_buffers_and_snapshots_are_independent_of_training() -> None:
-    staging = ckpt.Staging()
+    staging = ckptwriter.Staging()
     w = torch.randn(64, 32)
     first = staging.snapshot({0: w, 1: w.t(), 2: torch.zeros(3)})
     assert torch.equal(first[0], w) and torch.equal(first[1], w.t())  # a non-contiguous source copies by value
@@ -33,36 +35,48 @@ def test_staging_reuses_buffers_and_snapshots_are_independent_of_training() -> N
 def test_part_file_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
     tensors = {0: torch.randn(5, 7), 3: torch.arange(11, dtype=torch.int64), 4: torch.tensor(2.5),
                7: torch.randn(3).to(torch.bfloat16), 8: torch.zeros(0, 4), 9: torch.tensor([True, False, True])}
-    digest = ckpt.write_part(tmp_path / "p.bin", tensors)
+    digest = ckptformat.write_part(tmp_path / "p.bin", tensors)
     assert digest == sha256_file(tmp_path / "p.bin")
-    back = ckpt.read_part(tmp_path / "p.bin")
+    back = ckptformat.read_part(tmp_path / "p.bin")
     assert set(back) == set(tensors)
     for key, t in tensors.items():
         assert back[key].dtype == t.dtype and back[key].shape == t.shape and torch.equal(back[key], t)
 
 
+@pytest.mark.skipif(sys.byteorder != "little", reason="the header records the byte order")
+def test_part_file_bytes_are_pinned(tmp_path: Path) -> None:
+    """The part-file layout is a file format: checkpoints written by earlier versions must still load, so the
+    bytes written for the same tensors never change (the digest is that of the layout as first released)."""
+    tensors = {0: torch.arange(6, dtype=torch.float32).reshape(2, 3), 2: torch.tensor([1, -2, 3], dtype=torch.int64),
+               5: torch.tensor([0.5, -1.5]).to(torch.bfloat16), 7: torch.zeros(0, 3), 9: torch.tensor(True)}
+    digest = ckptformat.write_part(tmp_path / "p.bin", tensors)
+    assert digest == "64bf34a119033a288f113610c2eb66855b837e60b6f3826bedb4feafc8a48270"
+    back = ckptformat.read_part(tmp_path / "p.bin")
+    assert all(torch.equal(back[key], t) and back[key].dtype == t.dtype for key, t in tensors.items())
+
+
 def test_part_file_damage_is_a_clear_error(tmp_path: Path) -> None:
-    ckpt.write_part(tmp_path / "p.bin", {0: torch.randn(1000)})
+    ckptformat.write_part(tmp_path / "p.bin", {0: torch.randn(1000)})
     data = (tmp_path / "p.bin").read_bytes()
     (tmp_path / "short.bin").write_bytes(data[:-100])
     with pytest.raises(CheckpointError, match="does not fit"):
-        ckpt.read_part(tmp_path / "short.bin")
+        ckptformat.read_part(tmp_path / "short.bin")
     (tmp_path / "magic.bin").write_bytes(b"NOTAPART" + data[8:])
     with pytest.raises(CheckpointError, match="magic"):
-        ckpt.read_part(tmp_path / "magic.bin")
+        ckptformat.read_part(tmp_path / "magic.bin")
     (tmp_path / "dtype.bin").write_bytes(data.replace(b'"float32"', b'"Tensor "'))
     with pytest.raises(CheckpointError, match="unknown dtype"):
-        ckpt.read_part(tmp_path / "dtype.bin")
+        ckptformat.read_part(tmp_path / "dtype.bin")
 
 
 def test_writers_share_the_bytes_evenly_and_agree_without_talking() -> None:
     tensors = [torch.empty(n) for n in (4_000_000, 1_600_000, 4_000_000, 2048, 1_600_000, 10, 2048, 10)]
-    owner = ckpt.assign_writers(tensors, 2)
-    assert owner == ckpt.assign_writers(tensors, 2)
+    owner = ckptformat.assign_writers(tensors, 2)
+    assert owner == ckptformat.assign_writers(tensors, 2)
     load = [sum(t.numel() for t, o in zip(tensors, owner) if o == r) for r in range(2)]
     assert abs(load[0] - load[1]) <= 2048 * 2  # two of the big four each, then the small ones balance
-    assert ckpt.assign_writers(tensors, 1) == [0] * len(tensors)
-    assert sorted(set(ckpt.assign_writers(tensors, 16))) == list(range(8))  # more ranks than tensors: one each
+    assert ckptformat.assign_writers(tensors, 1) == [0] * len(tensors)
+    assert sorted(set(ckptformat.assign_writers(tensors, 16))) == list(range(8))  # more ranks than tensors: one each
 
 
 def test_save_then_load_round_trip_with_reused_buffers(tmp_path: Path) -> None:
@@ -107,13 +121,13 @@ def test_a_meta_json_that_lies_about_its_parts_is_refused(tmp_path: Path) -> Non
     for parts in (10**9, 0, 2):
         meta_file.write_text(json.dumps(dict(meta, parts=parts)))
         with pytest.raises(CheckpointError, match="part files|lists files"):
-            ckpt.check(path)
+            ckpt.verify(path)
 
 
 def test_parts_another_node_wrote_must_be_visible_before_the_marker(tmp_path: Path) -> None:
     (tmp_path / "part-00000.bin").write_bytes(b"x" * 10)
-    ckpt._await_parts(tmp_path, {"part-00000.bin": 10}, patience=0.0)  # present and whole: no wait
+    ckptwriter._await_parts(tmp_path, {"part-00000.bin": 10}, patience=0.0)  # present and whole: no wait
     with pytest.raises(CheckpointError, match="part-00001.bin.*every node shares"):
-        ckpt._await_parts(tmp_path, {"part-00000.bin": 10, "part-00001.bin": 5}, patience=0.3)
+        ckptwriter._await_parts(tmp_path, {"part-00000.bin": 10, "part-00001.bin": 5}, patience=0.3)
     with pytest.raises(CheckpointError, match="size differs"):
-        ckpt._await_parts(tmp_path, {"part-00000.bin": 11}, patience=0.0)
+        ckptwriter._await_parts(tmp_path, {"part-00000.bin": 11}, patience=0.0)

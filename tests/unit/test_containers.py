@@ -8,7 +8,7 @@ cannot exist here.
 
 Regenerate the golden files and `containers/` after an intended change with:
     HPCTRAIN_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_containers.py
-(or `python -m hpctrain.tools.containers` for `containers/` alone), then review the diff.
+(or `hpctrain container recipe --write-defaults containers` for `containers/` alone), then review the diff.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hpctrain.tools import containers
+from hpctrain.tools import containers, containers_build
 from hpctrain.cli.main import app
 from hpctrain.tools.containers import ContainerConfig, render_recipe
 from hpctrain.base.errors import ConfigError
@@ -100,6 +100,26 @@ def test_containers_dir_matches_the_command(name: str, tmp_path: Path) -> None:
     assert f"wrote {out}" in result.output
     assert out.read_text() == (ROOT / "containers" / name).read_text(), (
         f"containers/{name} is stale: regenerate with {REGEN_HINT}")
+
+
+@needs_hpccm
+def test_write_defaults_renders_what_containers_dir_holds(tmp_path: Path) -> None:
+    """`hpctrain container recipe --write-defaults DIR` re-renders every checked-in recipe, and only those."""
+    result = runner.invoke(app, ["container", "recipe", "--write-defaults", str(tmp_path / "defs")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "defs").iterdir()) == sorted(containers.DEFAULT_RECIPES)
+    for name in containers.DEFAULT_RECIPES:
+        assert f"wrote {tmp_path / 'defs' / name}" in result.output
+        assert (tmp_path / "defs" / name).read_text() == (ROOT / "containers" / name).read_text(), (
+            f"containers/{name} is stale: regenerate with {REGEN_HINT}")
+
+
+@pytest.mark.parametrize("extra", [["-o", "x.def"], ["--mode", "bind"]])
+def test_write_defaults_refuses_other_options(extra: list[str], tmp_path: Path) -> None:
+    result = runner.invoke(app, ["container", "recipe", "--write-defaults", str(tmp_path / "defs"), *extra])
+    assert result.exit_code == 2
+    assert "--write-defaults renders the default recipes with their own options" in result.output
+    assert not (tmp_path / "defs").exists()
 
 
 def test_no_stray_files_in_containers_dir() -> None:
@@ -438,4 +458,4 @@ def test_build_checks_inputs_before_starting_a_long_build(source_tree: Path, tmp
 
 def test_host_files_reads_only_plain_files_sections() -> None:
     text = (ROOT / "containers" / "hpctrain-hybrid.def").read_text()
-    assert containers.host_files(text) == sorted(containers.HOST_FILES)
+    assert containers_build.host_files(text) == sorted(containers.HOST_FILES)

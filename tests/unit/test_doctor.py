@@ -1,7 +1,7 @@
 """`hpctrain doctor`: the checks as a pure function of facts, and the command on this machine's real MPI.
 
 This machine's Open MPI (Debian's 4.1) is not CUDA-aware and it has no GPU; the doctor must say exactly that.
-GPU situations that cannot happen here are checked by handing `check()` the facts a GPU node would report.
+GPU situations that cannot happen here are checked by handing `problems()` the facts a GPU node would report.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from hpctrain.tools.doctor import check, format_report
+from hpctrain.tools.doctor import format_report, problems
 from hpctrain.data.hdf5env import file_locking
 
 from conftest import hpctrain, mpi_env
@@ -45,7 +45,7 @@ def facts(**changes: dict[str, Any]) -> dict[str, Any]:
 
 
 def checks(f: dict[str, Any]) -> dict[str, dict[str, str]]:
-    return {p["check"]: p for p in check(f)}
+    return {p["check"]: p for p in problems(f)}
 
 
 GPU_NODE = dict(gpus={"cuda_visible_devices": "0,1,2,3", "visible": 4, "device": "cuda:0"},
@@ -53,7 +53,7 @@ GPU_NODE = dict(gpus={"cuda_visible_devices": "0,1,2,3", "visible": 4, "device":
 
 
 def test_a_healthy_cpu_rank_has_no_problem() -> None:
-    assert check(facts()) == []
+    assert problems(facts()) == []
 
 
 def test_non_cuda_aware_mpi_is_a_problem_only_with_gpus() -> None:
@@ -99,7 +99,7 @@ def test_gpus_given_but_torch_cannot_use_them() -> None:
     assert "--index-url https://download.pytorch.org/whl/cu129" in cpu_torch["fix"]
     no_driver = checks(facts(gpus={"cuda_visible_devices": "0"}, torch={"cuda": "12.9"}))["gpu-visible"]
     assert "apptainer exec --nv" in no_driver["fix"]
-    assert check(facts(gpus={"cuda_visible_devices": "NoDevFiles"})) == []
+    assert problems(facts(gpus={"cuda_visible_devices": "NoDevFiles"})) == []
 
 
 def test_too_many_ranks_for_the_gpus() -> None:
@@ -130,7 +130,7 @@ def test_file_locking_setting(value: str | None, mode: str, valid: bool) -> None
 
 def test_format_report_shows_cuda_aware_and_fixes() -> None:
     f = facts(**GPU_NODE)
-    f["problems"] = check(f)
+    f["problems"] = problems(f)
     report = {"ok": False, "world_size": 1, "ranks": [f],
               "problems": [{**p, "ranks": [0]} for p in f["problems"]]}
     text = format_report(report)

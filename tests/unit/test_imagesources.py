@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import pickle
 import struct
@@ -16,13 +17,13 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from hpctrain.data import imagesources
-from hpctrain.data import sharding
+from hpctrain.data import imagesets, sharding
 from hpctrain.cli.main import app
 from hpctrain.base.config import ShardConfig
-from hpctrain.data.reader import load_manifest, verify
 from hpctrain.base.errors import ConfigError, DataError
-from hpctrain.data.imagesources import fit_image, parse_image_size
+from hpctrain.data.images import fit_image, parse_image_size
+from hpctrain.data.reader import ShardReader
+from hpctrain.data.shardformat import load_manifest, verify
 from hpctrain.data.sharding import shard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,15 +33,15 @@ runner = CliRunner()
 
 def stored(out: Path) -> tuple[np.ndarray, np.ndarray, dict]:
     """All samples of a dataset, x and y in source order (by global sample id), and the manifest."""
-    shards = load_manifest(out)
+    shardset = load_manifest(out)
     xs, ys, ids = [], [], []
-    for files in shards.splits.values():
+    for files in shardset.splits.values():
         for f in files:
             with h5py.File(f.path, "r") as h5:
                 xs.append(h5["x"][()]); ys.append(h5["y"][()]); ids.append(h5["index"][()])
     order = np.argsort(np.concatenate(ids))
     assert verify(out) == []
-    return np.concatenate(xs)[order], np.concatenate(ys)[order], shards.manifest
+    return np.concatenate(xs)[order], np.concatenate(ys)[order], shardset.manifest
 
 
 def run_shard(source: str, out: Path, **kw) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -87,15 +88,35 @@ def test_imagefolder_pixels_labels_classes_and_normalization(tmp_path: Path) -> 
     assert x.dtype == np.uint8 and manifest["x"] == {"dtype": "uint8", "shape": [1, 5, 6]}
     assert manifest["classes"] == ["cat", "dog", "emu"] and manifest["num_classes"] == 3
     mean, std = expected_normalization(want)
-    norm = manifest["normalization"]
+    norm = manifest["normalize_on_read"]
     assert norm["scale"] == pytest.approx(1 / 255)
     np.testing.assert_allclose(norm["mean"], mean, atol=1e-6)
     np.testing.assert_allclose(norm["std"], std, atol=1e-6)
     assert "skipped" not in manifest
     # the reader turns the stored uint8 into float32 with that normalization
-    fed = load_manifest(tmp_path / "out").normalize(x[:4])
+    fed = load_manifest(tmp_path / "out").normalize_on_read(x[:4])
     assert fed.dtype == np.float32
     np.testing.assert_allclose(fed, (x[:4] / 255 - mean[0]) / std[0], atol=1e-4)
+
+
+def test_a_manifest_written_before_the_rename_is_read_the_same(tmp_path: Path) -> None:
+    """Older versions wrote the uint8 images' read-time normalization as "normalization": the reader still
+    applies it, and the dataset keeps its fingerprint (the manifest is read as it is, not rewritten)."""
+    root = write_folder(tmp_path / "pics", {"a": gray_images(0, 6), "b": gray_images(1, 5)})
+    x, _, manifest = run_shard(f"imagefolder:{root}", tmp_path / "out", shards=1)
+    want = load_manifest(tmp_path / "out").normalize_on_read(x)
+    old = {("normalization" if k == "normalize_on_read" else k): v for k, v in manifest.items()} | {"version": 1}
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(old, indent=2) + "\n")
+    shardset = load_manifest(tmp_path / "out")
+    assert "normalize_on_read" not in shardset.manifest and shardset.manifest == old
+    reader = ShardReader(shardset, "train", rank=0, world=1, batch_size=4, shuffle=False, prefetch=0)
+    batches = list(reader.epoch(0))
+    reader.close()
+    fed = np.concatenate([b.x for b in batches])
+    assert fed.dtype == np.float32
+    np.testing.assert_array_equal(fed, want[np.concatenate([b.index for b in batches])])
+    canonical = json.dumps(old, sort_keys=True, separators=(",", ":")).encode()
+    assert shardset.fingerprint == hashlib.sha256(canonical).hexdigest()
 
 
 def test_one_or_two_workers_and_streamed_or_kept_store_the_same(tmp_path: Path, monkeypatch) -> None:
@@ -107,13 +128,13 @@ def test_one_or_two_workers_and_streamed_or_kept_store_the_same(tmp_path: Path, 
     source = f"imagefolder:{root}"
     kept = run_shard(source, tmp_path / "kept", workers=1, image_size="8x6")
     # Force the streaming path: nothing kept from the checking pass, several reads with a decode ahead.
-    monkeypatch.setattr(imagesources, "_KEEP_BYTES", 0)
+    monkeypatch.setattr("hpctrain.data.images._KEEP_BYTES", 0)
     monkeypatch.setattr(sharding, "_READ_BYTES", 5 * 3 * 8 * 6)
     for workers in (1, 2):
         x, y, manifest = run_shard(source, tmp_path / f"w{workers}", workers=workers, image_size="8x6", chunk_rows=2)
         np.testing.assert_array_equal(x, kept[0])
         np.testing.assert_array_equal(y, kept[1])
-        assert manifest["normalization"] == kept[2]["normalization"]
+        assert manifest["normalize_on_read"] == kept[2]["normalize_on_read"]
     assert kept[0].shape == (23, 3, 8, 6)  # gray class c made RGB: some images are color
     assert kept[2]["images"]["channels"] == 3
 
@@ -140,11 +161,11 @@ def test_channels_option(tmp_path: Path) -> None:
     x, _, manifest = run_shard(f"imagefolder:{root}", tmp_path / "one", channels=1, shards=1)
     want = np.stack([np.asarray(Image.fromarray(a).convert("L")) for a in rgb])[:, None]
     np.testing.assert_array_equal(x, want)
-    assert len(manifest["normalization"]["mean"]) == 1
+    assert len(manifest["normalize_on_read"]["mean"]) == 1
     gray = write_folder(tmp_path / "gray", {"a": gray_images(0, 2, (4, 4)), "b": gray_images(1, 1, (4, 4))})
     x3, _, manifest = run_shard(f"imagefolder:{gray}", tmp_path / "three", channels=3, shards=1)
     assert x3.shape == (3, 3, 4, 4) and (x3 == x3[:, :1]).all()
-    assert len(manifest["normalization"]["std"]) == 3
+    assert len(manifest["normalize_on_read"]["std"]) == 3
 
 
 def _truncated_png(path: Path, shape: tuple[int, int] = (40, 40)) -> None:
@@ -195,8 +216,8 @@ def test_mnist_gz_and_plain_idx(tmp_path: Path) -> None:
     assert [(Path(f["file"]).name, f["first"], f["samples"]) for f in manifest["files"]] == [
         ("train-images-idx3-ubyte.gz", 0, 12), ("t10k-images.idx3-ubyte", 12, 5)]
     mean, std = expected_normalization(x_src[:, None])
-    np.testing.assert_allclose(manifest["normalization"]["mean"], mean, atol=1e-6)
-    np.testing.assert_allclose(manifest["normalization"]["std"], std, atol=1e-6)
+    np.testing.assert_allclose(manifest["normalize_on_read"]["mean"], mean, atol=1e-6)
+    np.testing.assert_allclose(manifest["normalize_on_read"]["std"], std, atol=1e-6)
     x3, _, _ = run_shard(f"mnist:{tmp_path / 'mnist'}", tmp_path / "rgb", channels=3, image_size="4")
     assert x3.shape == (17, 3, 4, 4)
 
@@ -226,8 +247,8 @@ def test_cifar10_batches(tmp_path: Path) -> None:
     assert manifest["classes"] == list("abcdefghij")
     assert [Path(f["file"]).name for f in manifest["files"]] == ["data_batch_1", "data_batch_2", "test_batch"]
     mean, std = expected_normalization(x_src)
-    np.testing.assert_allclose(manifest["normalization"]["mean"], mean, atol=1e-6)
-    np.testing.assert_allclose(manifest["normalization"]["std"], std, atol=1e-6)
+    np.testing.assert_allclose(manifest["normalize_on_read"]["mean"], mean, atol=1e-6)
+    np.testing.assert_allclose(manifest["normalize_on_read"]["std"], std, atol=1e-6)
     gray, _, _ = run_shard(f"cifar10:{tmp_path / 'c'}", tmp_path / "gray", channels=1)
     want = np.asarray(Image.fromarray(x_src[0].transpose(1, 2, 0)).convert("L"))
     np.testing.assert_array_equal(gray[0, 0], want)  # the same grayscale as an image file gets
@@ -260,7 +281,7 @@ def test_parquet_numeric_columns_and_class_names(tmp_path: Path) -> None:
     np.testing.assert_array_equal(x, np.stack([a, b, a > 0], 1).astype(np.float32))
     assert manifest["classes"] == ["ant", "moose", "zebra"] and manifest["columns"] == ["a", "b", "flag"]
     np.testing.assert_array_equal(y, np.searchsorted(["ant", "moose", "zebra"], names))
-    src = imagesources.open_source(str(path), ShardConfig(source=str(path), out=tmp_path, label_column="kind"))
+    src = imagesets.open_dataset_source(str(path), ShardConfig(source=str(path), out=tmp_path, label_column="kind"))
     np.testing.assert_array_equal(src.read(30, 44), x[30:44])
     np.testing.assert_array_equal(src.read(3, 9), x[3:9])  # going back restarts the stream
 
@@ -289,7 +310,7 @@ def test_parquet_without_pyarrow_says_how_to_install(tmp_path: Path, monkeypatch
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(DataError, match="pip install pyarrow"):
-        imagesources.open_source("x.parquet", ShardConfig(source="x.parquet", out=tmp_path))
+        imagesets.open_dataset_source("x.parquet", ShardConfig(source="x.parquet", out=tmp_path))
 
 
 # --- bad input: exit 2, one line naming the path, nothing written -------------------------------------
@@ -419,4 +440,4 @@ def test_make_samples_reproduces_the_array_files(tmp_path: Path) -> None:
 def test_normalize_flag_stores_float32_without_the_uint8_normalization(tmp_path: Path) -> None:
     root = write_folder(tmp_path / "pics", {"a": gray_images(0, 6), "b": gray_images(1, 5)})
     x, _, manifest = run_shard(f"imagefolder:{root}", tmp_path / "out", normalize="standard")
-    assert x.dtype == np.float32 and "normalization" not in manifest and manifest["classes"] == ["a", "b"]
+    assert x.dtype == np.float32 and "normalize_on_read" not in manifest and manifest["classes"] == ["a", "b"]

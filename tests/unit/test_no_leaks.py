@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.comm.core import Comm
+from hpctrain.comm import Comm
 from hpctrain.base.config import ShardConfig, TrainConfig
-from hpctrain.data.reader import ShardReader, load_manifest
+from hpctrain.data.reader import ShardReader
+from hpctrain.data.shardformat import load_manifest
 from hpctrain.base.errors import HpctrainError
 from hpctrain.data.sharding import shard
 from hpctrain.control.trainer import train

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from hpctrain.base.config import ShardConfig
-from hpctrain.data.reader import Batch, ShardReader, ShardSet, epoch_remainder, load_manifest
+from hpctrain.data.reader import Batch, ShardReader, epoch_remainder
+from hpctrain.data.shardformat import ShardSet, load_manifest
 from hpctrain.data.sharding import shard
 
 MAX_SAMPLES = 48        # small enough to write and read in milliseconds, large enough for many windows
@@ -40,7 +41,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 @dataclass
 class Data:
-    shards: ShardSet
+    shardset: ShardSet
     ids: np.ndarray                  # every sample id of the train split, sorted
     x: np.ndarray                    # x[id], y[id]: the stored rows, to check a batch's rows belong to its ids
     y: np.ndarray
@@ -157,7 +158,7 @@ class Layout:
     window_rows: int
 
     def reader(self, data: Data, rank: int, *, world: int | None = None, **kw: Any) -> ShardReader:
-        return ShardReader(data.shards, "train", rank=rank, world=world or self.world, batch_size=self.batch_size,
+        return ShardReader(data.shardset, "train", rank=rank, world=world or self.world, batch_size=self.batch_size,
                            shuffle=self.shuffle, seed=self.seed, block_rows=self.block_rows,
                            window_rows=self.window_rows, **kw)
 
@@ -289,13 +290,13 @@ def test_elastic_rest_of_an_epoch_is_every_sample_once(sets: ShardSets, layout: 
     trained = np.empty(0, np.int64)
     for j, world in enumerate(worlds):
         # segment j: what its readers are owed, and how far it gets before the world size changes again
-        done = epoch_remainder(data.shards, "train", segments, **kw)
+        done = epoch_remainder(data.shardset, "train", segments, **kw)
         np.testing.assert_array_equal(np.sort(done), np.sort(trained))  # the union of what was trained on
         last = j == len(worlds) - 1
         # a segment that is cut short trains with the default blocks and windows, as `train` does and as
         # epoch_remainder replays it; the one that finishes the epoch may take any (small: several windows)
         knobs = dict(block_rows=layout.block_rows, window_rows=layout.window_rows) if last else {}
-        readers = [ShardReader(data.shards, "train", rank=r, world=world, batch_size=layout.batch_size,
+        readers = [ShardReader(data.shardset, "train", rank=r, world=world, batch_size=layout.batch_size,
                                shuffle=layout.shuffle, seed=layout.seed, exclude=done if j else None, segment=j,
                                **knobs)
                    for r in range(world)]
@@ -332,7 +333,7 @@ def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: 
                           dtype: str) -> None:
     import torch
 
-    from hpctrain.comm.core import Comm, GradSync
+    from hpctrain.comm import Comm, GradSync
     from hpctrain.base.errors import ConfigError
 
     torch_dtype = getattr(torch, dtype)

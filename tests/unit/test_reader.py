@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from hpctrain.base.config import ShardConfig
-from hpctrain.data.reader import ShardReader, load_manifest
+from hpctrain.data.reader import ShardReader
 from hpctrain.base.errors import ConfigError
+from hpctrain.data.shardformat import load_manifest
 from hpctrain.data.sharding import shard
 
 
@@ -29,10 +30,10 @@ def bigger(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def epoch_ids(data: Path, world: int, epoch: int, **kw) -> list[np.ndarray]:
-    shards = load_manifest(data)
+    shardset = load_manifest(data)
     ids = []
     for rank in range(world):
-        r = ShardReader(shards, "train", rank=rank, world=world, **kw)
+        r = ShardReader(shardset, "train", rank=rank, world=world, **kw)
         ids.append(np.concatenate([b.index for b in r.epoch(epoch)]))
         r.close()
     return ids
@@ -48,8 +49,8 @@ def test_every_sample_once_per_epoch(bigger: Path, world: int, shuffle: bool) ->
 
 
 def test_equal_steps_on_uneven_shards(uneven: Path) -> None:
-    shards = load_manifest(uneven)
-    readers = [ShardReader(shards, "train", rank=r, world=2, batch_size=4) for r in range(2)]
+    shardset = load_manifest(uneven)
+    readers = [ShardReader(shardset, "train", rank=r, world=2, batch_size=4) for r in range(2)]
     assert list(readers[0].counts) == [19, 20]
     assert readers[0].steps_per_epoch == readers[1].steps_per_epoch == 5
     sizes = [[len(b.y) for b in r.epoch(0)] for r in readers]
@@ -65,19 +66,19 @@ def test_shuffle_is_a_function_of_seed_epoch_rank_world(bigger: Path) -> None:
 
 
 def test_no_shuffle_walks_shards_in_file_order(bigger: Path) -> None:
-    shards = load_manifest(bigger)
+    shardset = load_manifest(bigger)
     import h5py
 
-    expected = np.concatenate([h5py.File(f.path, "r")["index"][()] for f in shards.rank_shards("train", 1, 2)])
-    got = np.concatenate([b.index for b in ShardReader(shards, "train", rank=1, world=2, batch_size=50,
+    expected = np.concatenate([h5py.File(f.path, "r")["index"][()] for f in shardset.rank_shards("train", 1, 2)])
+    got = np.concatenate([b.index for b in ShardReader(shardset, "train", rank=1, world=2, batch_size=50,
                                                        shuffle=False).epoch(0)])
     np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_resume_mid_epoch_replays_the_rest(bigger: Path, shuffle: bool) -> None:
-    shards = load_manifest(bigger)
-    r = ShardReader(shards, "train", rank=0, world=2, batch_size=64, shuffle=shuffle, block_rows=128, window_rows=512)
+    shardset = load_manifest(bigger)
+    r = ShardReader(shardset, "train", rank=0, world=2, batch_size=64, shuffle=shuffle, block_rows=128, window_rows=512)
     full = [b.index for b in r.epoch(2)]
     tail = [b.index for b in r.epoch(2, start_step=7)]
     assert len(tail) == len(full) - 7
@@ -129,16 +130,16 @@ def test_forked_reader_opens_its_own_handles(bigger: Path) -> None:
 def test_elastic_rest_of_epoch_on_another_world_size(bigger: Path, shuffle: bool) -> None:
     from hpctrain.data.reader import epoch_remainder
 
-    shards = load_manifest(bigger)
+    shardset = load_manifest(bigger)
     kw = dict(batch_size=64, shuffle=shuffle, seed=5)
     # 4 ranks train 9 steps of epoch 3, then 2 ranks 5 steps, then 1 rank finishes the epoch
-    done = epoch_remainder(shards, "train", [(4, 9), (2, 5)], epoch=3, **kw)
+    done = epoch_remainder(shardset, "train", [(4, 9), (2, 5)], epoch=3, **kw)
     assert len(done) == 4 * 9 * 64 + 2 * 5 * 64 and len(np.unique(done)) == len(done)
-    rest = ShardReader(shards, "train", rank=0, world=1, exclude=done, segment=2, **kw)
+    rest = ShardReader(shardset, "train", rank=0, world=1, exclude=done, segment=2, **kw)
     tail = np.concatenate([b.index for b in rest.epoch(3)])
     everything = np.concatenate([done, tail])
     assert len(everything) == 5003 and len(np.unique(everything)) == 5003
     # a resume inside the remainder on the same world size replays it exactly
-    again = ShardReader(shards, "train", rank=0, world=1, exclude=done, segment=2, **kw)
+    again = ShardReader(shardset, "train", rank=0, world=1, exclude=done, segment=2, **kw)
     part = [b.index for b in again.epoch(3, start_step=3)]
     np.testing.assert_array_equal(np.concatenate(part), tail[3 * 64:])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.comm.core import Comm
+from hpctrain.comm import Comm
 from hpctrain.base.config import ShardConfig, TrainConfig
 from hpctrain.data.sharding import shard
 from hpctrain.control.trainer import train

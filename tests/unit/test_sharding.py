@@ -12,17 +12,19 @@ from typer.testing import CliRunner
 
 from hpctrain.cli.main import app
 from hpctrain.base.config import ShardConfig
-from hpctrain.data.reader import load_manifest, sha256_file, verify
+from hpctrain.base.durable import sha256_file
 from hpctrain.base.errors import ConfigError, DataError
+from hpctrain.data.reader import ShardReader
+from hpctrain.data.shardformat import NORMALIZE_ON_READ, NORMALIZED_ON_WRITE, load_manifest, manifest_entry, verify
 from hpctrain.data.sharding import open_source, shard
 
 runner = CliRunner()
 
 
 def read_all(out: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    shards = load_manifest(out)
+    shardset = load_manifest(out)
     result = {}
-    for split, files in shards.splits.items():
+    for split, files in shardset.splits.items():
         xs, ys, ids = [], [], []
         for f in files:
             with h5py.File(f.path, "r") as h5:
@@ -34,7 +36,7 @@ def read_all(out: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
 def check_layout(out: Path, x_src: np.ndarray, y_src: np.ndarray, shards: int) -> None:
     """Every sample of the source in exactly one shard, with its own x and y; sizes differ by at most one."""
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["format"] == "hpctrain-shards" and manifest["version"] == 1
+    assert manifest["format"] == "hpctrain-shards" and manifest["version"] == 2
     assert manifest["num_shards"] == shards
     assert manifest["x"]["shape"] == list(x_src.shape[1:])
     all_ids = []
@@ -104,7 +106,7 @@ def test_hdf5_read_in_chunks(tmp_path: Path) -> None:
     sh._READ_BYTES = 24 * 700  # force many read chunks
     try:
         shard(ShardConfig(source=str(tmp_path / "a.h5"), out=tmp_path / "o", shards=4, chunk_rows=100,
-                          compression="gzip", workers=1), show_progress=False)  # in this process: sees the patch
+                          hdf5_compression="gzip", workers=1), show_progress=False)  # in this process: sees the patch
     finally:
         sh._READ_BYTES = old
     check_layout(tmp_path / "o", x, y, 4)
@@ -218,7 +220,7 @@ def _bad_npz(tmp_path: Path, **arrays: np.ndarray) -> str:
         (lambda p: "synthetic:100", ["--shards", "0"], "--shards"),
         (lambda p: "synthetic:10", ["--shards", "9"], "more than"),
         (lambda p: "synthetic:100", ["--val-fraction", "1.5"], "--val-fraction"),
-        (lambda p: "synthetic:100", ["--compression", "zstd"], "none, lzf, gzip"),
+        (lambda p: "synthetic:100", ["--hdf5-compression", "zstd"], "none, lzf, gzip"),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, make_source, extra, needle) -> None:
@@ -236,9 +238,29 @@ def test_normalize_minmax_recorded_and_applied(tmp_path: Path) -> None:
     src = open_source("synthetic:500:3:2", seed=0)
     shard(ShardConfig(source="synthetic:500:3:2", out=tmp_path / "o", shards=2, normalize="minmax"), show_progress=False)
     m = load_manifest(tmp_path / "o")
-    norm = m.manifest["normalize"]
+    norm = m.manifest["normalized_on_write"]
     assert norm["method"] == "minmax" and len(norm["offset"]) == 3
     x, _, ids = read_all(tmp_path / "o")["train"]
     assert x.min() >= -1e-6 and x.max() <= 1 + 1e-6
     raw = src.read(0, 500)[ids]
     np.testing.assert_allclose(x, (raw - np.array(norm["offset"], np.float32)) / np.array(norm["scale"], np.float32), rtol=1e-6)
+
+
+def test_a_normalize_manifest_written_before_the_rename_is_read_the_same(tmp_path: Path) -> None:
+    """Older versions wrote --normalize's record as "normalize": the entry is found under its new name, and
+    the reader feeds the stored (already normalized) floats as they are."""
+    out = tmp_path / "o"
+    shard(ShardConfig(source="synthetic:200:3:2", out=out, shards=1, val_fraction=0, normalize="standard"),
+          show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    old = {("normalize" if k == "normalized_on_write" else k): v for k, v in manifest.items()} | {"version": 1}
+    (out / "manifest.json").write_text(json.dumps(old, indent=2) + "\n")
+    shardset = load_manifest(out)
+    assert manifest_entry(shardset.manifest, NORMALIZED_ON_WRITE) == manifest["normalized_on_write"]
+    assert manifest_entry(shardset.manifest, NORMALIZE_ON_READ) is None
+    x, _, ids = read_all(out)["train"]
+    reader = ShardReader(shardset, "train", rank=0, world=1, batch_size=64, shuffle=False, prefetch=0)
+    batches = list(reader.epoch(0))
+    reader.close()
+    np.testing.assert_array_equal(np.concatenate([b.x for b in batches]), x)
+    np.testing.assert_array_equal(np.concatenate([b.index for b in batches]), ids)

@@ -22,8 +22,11 @@ from typer.testing import CliRunner
 
 from hpctrain.cli import submit as submit_cli
 from hpctrain.base.errors import ConfigError
-from hpctrain.tools.slurm import (SubmitConfig, command_paths, job_status, parse_duration, record, render_sbatch,
-                            stop_reason, supervise)
+from hpctrain.tools.slurm.config import SubmitConfig
+from hpctrain.tools.slurm.core import parse_duration, record
+from hpctrain.tools.slurm.render import command_paths, render_sbatch
+from hpctrain.tools.slurm.status import job_status
+from hpctrain.tools.slurm.supervise import stop_reason, supervise
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"

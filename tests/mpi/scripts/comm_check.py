@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpctrain.comm.core import GradSync, world
+from hpctrain.comm import GradSync, world
 
 comm = world()
 rank, size = comm.rank, comm.size

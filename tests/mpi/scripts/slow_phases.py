@@ -7,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-import hpctrain.control.checkpoint as ckpt
+import hpctrain.control.ckptwriter as ckpt  # the writer looks write_part up in its own namespace
 from hpctrain.control import trainer
-from hpctrain.comm.core import world
+from hpctrain.comm import world
 from hpctrain.base.config import TrainConfig
 
 data, run, mode = sys.argv[1:4]

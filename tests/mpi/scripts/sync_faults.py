@@ -11,7 +11,7 @@ import sys
 import torch
 
 import hpctrain
-from hpctrain.comm.core import GradSync
+from hpctrain.comm import GradSync
 from hpctrain.base.errors import CommError
 
 ctx = hpctrain.init()

@@ -1,0 +1,177 @@
+"""The shard format: what `hpctrain shard` writes and every reader checks.
+
+A shard set is `OUT/manifest.json` plus `OUT/{train,val}/shard-*.h5`. This module owns the manifest's
+constants and entry names, the shard file names, `load_manifest` (which checks the manifest and refuses
+paths that leave the dataset directory) and `verify` (the files against the manifest's sizes and sha256).
+The writer is `sharding`; the per-rank reader is `reader`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..base.durable import sha256_file
+from ..base.errors import ConfigError, DataError
+from .hdf5env import reader_locking
+
+MANIFEST = "manifest.json"
+FORMAT = "hpctrain-shards"
+VERSION = 2  # 2: the normalization keys renamed (normalize_on_read, normalized_on_write); 1 still reads
+READS = (1, 2)  # an older hpctrain refuses a version-2 manifest instead of misreading its renamed keys
+SPLITS = ("train", "val")
+# The two normalization entries, each named for the one thing it says: NORMALIZE_ON_READ is what the reader
+# applies to stored uint8 images to make float32; NORMALIZED_ON_WRITE records what --normalize already applied
+# to the stored x (the reader applies nothing). Manifests written before the rename call them "normalization"
+# and "normalize" (OLD_NAMES); `manifest_entry` reads either.
+NORMALIZE_ON_READ = "normalize_on_read"
+NORMALIZED_ON_WRITE = "normalized_on_write"
+OLD_NAMES = {NORMALIZE_ON_READ: "normalization", NORMALIZED_ON_WRITE: "normalize"}
+
+
+def manifest_entry(manifest: dict[str, Any], name: str) -> Any:
+    """The manifest's entry `name` (or None), read under its old name from a manifest written before then."""
+    if name in manifest:
+        return manifest[name]
+    return manifest.get(OLD_NAMES.get(name, name))
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}.h5"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFile:
+    path: Path
+    samples: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSet:
+    """A loaded, validated manifest."""
+
+    root: Path
+    manifest: dict[str, Any]
+    num_shards: int
+    num_classes: int
+    x_shape: tuple[int, ...]
+    x_dtype: str
+    splits: dict[str, list[ShardFile]]
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the manifest's content: the identity of this dataset in checkpoints."""
+        canonical = json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(canonical).hexdigest()
+
+    def normalize_on_read(self, x: np.ndarray) -> np.ndarray:
+        """x as train feeds it: stored integers (uint8 images) become float32 with the manifest's
+        normalize_on_read entry, (x * scale - mean[c]) / std[c] per channel c (axis 1); floats pass as they are."""
+        norm = manifest_entry(self.manifest, NORMALIZE_ON_READ)
+        if norm is None or np.issubdtype(x.dtype, np.floating):
+            return x
+        out = x.astype(np.float32) * np.float32(norm.get("scale", 1.0))
+        mean = np.asarray(norm.get("mean", [0.0]), np.float32)
+        std = np.asarray(norm.get("std", [1.0]), np.float32)
+        shape = (1, -1) + (1,) * (out.ndim - 2) if out.ndim >= 2 and mean.size > 1 else (1,) * out.ndim
+        out -= mean.reshape(shape) if mean.size > 1 else mean[0]
+        out /= std.reshape(shape) if std.size > 1 else std[0]
+        return out
+
+    def samples(self, split: str) -> int:
+        return sum(s.samples for s in self.splits.get(split, []))
+
+    def rank_shards(self, split: str, rank: int, world: int) -> list[ShardFile]:
+        return self.splits.get(split, [])[rank::world]
+
+    def check_world(self, world: int) -> None:
+        if self.num_shards % world:
+            divisors = [w for w in range(1, self.num_shards + 1) if self.num_shards % w == 0]
+            raise ConfigError(
+                f"the data in {self.root} has {self.num_shards} shards, which {world} ranks cannot share evenly: "
+                f"run on {', '.join(map(str, divisors))} ranks, or reshard with "
+                f"`hpctrain shard SOURCE OUT --shards {world * max(1, self.num_shards // world + 1)}`"
+            )
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """The path of a manifest entry, refusing entries that escape the dataset directory."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute():
+        raise DataError(f"manifest entry {rel!r} in {root / MANIFEST} must be a path relative to {root}")
+    path = (root / rel).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise DataError(f"manifest entry {rel!r} in {root / MANIFEST} points outside {root}; refusing to read it")
+    return path
+
+
+def load_manifest(root: Path | str) -> ShardSet:
+    """Read and check `root/manifest.json`; raise DataError naming what is wrong and how to fix it."""
+    root = Path(root)
+    mpath = root / MANIFEST
+    if not root.exists():
+        raise DataError(f"--data {str(root)!r} does not exist: create it with `hpctrain shard SOURCE {root}`")
+    if not mpath.is_file():
+        raise DataError(f"{str(mpath)!r} not found: is {str(root)!r} a directory written by `hpctrain shard`?")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{str(mpath)!r} is not valid JSON ({exc}); re-create it with `hpctrain shard`") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{str(mpath)!r} is not an hpctrain manifest (format must be {FORMAT!r})")
+    if manifest.get("version") not in READS:
+        raise DataError(f"{str(mpath)!r} has version {manifest.get('version')!r}; this hpctrain reads versions "
+                        f"{', '.join(map(str, READS))}: re-create the data with this version's `hpctrain shard`")
+    try:
+        num_shards = int(manifest["num_shards"])
+        num_classes = int(manifest["num_classes"])
+        x_shape = tuple(int(d) for d in manifest["x"]["shape"])
+        x_dtype = str(manifest["x"]["dtype"])
+        splits: dict[str, list[ShardFile]] = {}
+        for split, body in manifest["splits"].items():
+            if split not in SPLITS:
+                raise DataError(f"{str(mpath)!r} has an unknown split {split!r}; expected {', '.join(SPLITS)}")
+            files = [ShardFile(_inside(root, e["file"]), int(e["samples"]), str(e["sha256"])) for e in body["shards"]]
+            if len(files) != num_shards:
+                raise DataError(f"{str(mpath)!r}: split {split!r} lists {len(files)} shards, expected {num_shards}")
+            splits[split] = files
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{str(mpath)!r} is missing or has a malformed field ({exc}); re-create it with `hpctrain shard`") from exc
+    if "train" not in splits:
+        raise DataError(f"{str(mpath)!r} has no train split")
+    for files in splits.values():
+        for f in files:
+            if not f.path.is_file():
+                raise DataError(f"shard {str(f.path)!r} listed in {str(mpath)!r} is missing; re-create the data with `hpctrain shard`")
+    return ShardSet(root, manifest, num_shards, num_classes, x_shape, x_dtype, splits)
+
+
+def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False) -> list[str]:
+    """Re-hash every shard (or, with `quick`, check sizes and datasets only); return the problems found."""
+    import h5py
+
+    from ..base.progress import Progress
+
+    shardset = load_manifest(root)
+    problems: list[str] = []
+    everything = [f for files in shardset.splits.values() for f in files]
+    with Progress(len(everything), "verify", enabled=show_progress, unit="files") as bar:
+        for f in everything:
+            bar.update(1)
+            try:
+                with h5py.File(f.path, "r", locking=reader_locking()) as h5:
+                    n = {name: h5[name].shape[0] for name in ("x", "y", "index")}
+            except (OSError, KeyError) as exc:
+                problems.append(f"{f.path}: unreadable or missing a dataset ({exc})")
+                continue
+            if set(n.values()) != {f.samples}:
+                problems.append(f"{f.path}: holds {n} samples, the manifest says {f.samples}")
+            if not quick and sha256_file(f.path) != f.sha256:
+                problems.append(f"{f.path}: sha256 differs from the manifest (file changed or corrupt)")
+    return problems
+
