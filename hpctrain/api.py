@@ -171,10 +171,10 @@ class ShardLoader:
     def __init__(self, data: str | Path, *, batch_size: int, split: str = "train", shuffle: bool = True,
                  seed: int = 0, drop_empty: bool = True):
         ctx = init()
-        self.shards = load_manifest(data)
-        if split not in self.shards.splits:
-            raise ConfigError(f"split {split!r} not in {str(data)!r}: it has {', '.join(self.shards.splits)}")
-        self.reader = ShardReader(self.shards, split, rank=ctx.rank, world=ctx.world_size, batch_size=batch_size,
+        self.shardset = load_manifest(data)
+        if split not in self.shardset.splits:
+            raise ConfigError(f"split {split!r} not in {str(data)!r}: it has {', '.join(self.shardset.splits)}")
+        self.reader = ShardReader(self.shardset, split, rank=ctx.rank, world=ctx.world_size, batch_size=batch_size,
                                   shuffle=shuffle, seed=seed)
         self.device = ctx.device
         self.rank = ctx.rank

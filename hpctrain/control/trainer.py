@@ -123,11 +123,11 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     watchdog = stack.enter_context(Watchdog(None, comm.rank, comm.size, timeout=cfg.collective_timeout,
                                             abort=comm.abort).start())
     cancel_deadline()  # MPI is up and the watchdog watches from here
-    shards, model, device, resume_path, warnings = _check_inputs(cfg, comm, env, watchdog)
+    shardset, model, device, resume_path, warnings = _check_inputs(cfg, comm, env, watchdog)
     log = _open_run_dir(cfg, comm, env, device, watchdog, stack, warnings)
     _share_initial_weights(cfg, comm, model, device, watchdog)
-    start = _resume_point(cfg, comm, shards, resume_path, watchdog)
-    run = _build(cfg, comm, env, log, watchdog, shards, model, device, start, stack)
+    start = _resume_point(cfg, comm, shardset, resume_path, watchdog)
+    run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
     audit_lines = _restore(run) if start.state is not None else None
     runlog.prepare(cfg, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up barrier", start.step)
@@ -159,7 +159,7 @@ class Run:
     comm: Comm
     log: logging.Logger
     watchdog: Watchdog
-    shards: ShardSet
+    shardset: ShardSet
     model: Any
     device: Any
     start: Start
@@ -190,16 +190,16 @@ class Outcome:
 
 def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog) -> tuple[Any, ...]:
     """Check everything before anything is written, on every rank, and agree; then rank 0 alone finds and
-    verifies the checkpoint to resume from (checksums read every byte). (shards, model, device, path, warnings)"""
+    verifies the checkpoint to resume from (checksums read every byte). (shardset, model, device, path, warnings)"""
     import torch
 
     error: HpctrainError | None = None
-    shards, model, resume_path, warnings = None, None, None, []
+    shardset, model, resume_path, warnings = None, None, None, []
     device = torch.device("cpu")
     try:
         device = torch.device(select_device(env, torch.cuda.device_count() if torch.cuda.is_available() else 0))
-        shards = load_manifest(cfg.data)
-        shards.check_world(comm.size)
+        shardset = load_manifest(cfg.data)
+        shardset.check_world(comm.size)
         if cfg.tensorboard and comm.rank == 0:
             try:
                 import tensorboard  # noqa: F401
@@ -208,7 +208,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
         if cfg.init_weights is not None and not cfg.init_weights.is_file():
             raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, shards.x_shape, shards.num_classes)
+        model = build_model(cfg.model, shardset.x_shape, shardset.num_classes)
     except HpctrainError as exc:
         error = exc
     watchdog.phase("start-up checks", 0)
@@ -223,7 +223,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
     comm.agree(error if comm.rank == 0 else None)
     resume_path = comm.bcast(resume_path)
     watchdog.idle()
-    return shards, model, device, resume_path, warnings
+    return shardset, model, device, resume_path, warnings
 
 
 def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watchdog: Watchdog,
@@ -267,7 +267,7 @@ def _share_initial_weights(cfg: TrainConfig, comm: Comm, model: Any, device: Any
     torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
 
 
-def _resume_point(cfg: TrainConfig, comm: Comm, shards: ShardSet, path: Path | None, watchdog: Watchdog) -> Start:
+def _resume_point(cfg: TrainConfig, comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Watchdog) -> Start:
     """Where to start: fresh, or the checkpoint at `path` (read on rank 0, broadcast)."""
     if path is None:
         return Start()
@@ -275,10 +275,10 @@ def _resume_point(cfg: TrainConfig, comm: Comm, shards: ShardSet, path: Path | N
     state = ckpt.load_broadcast(path, comm, verified=True)
     watchdog.idle()
     meta = state["meta"]
-    if meta["data_fingerprint"] != shards.fingerprint:
+    if meta["data_fingerprint"] != shardset.fingerprint:
         comm.agree(CheckpointError(
             f"checkpoint {str(path)!r} was written for another dataset (manifest fingerprint "
-            f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shards.fingerprint[:12]}): "
+            f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shardset.fingerprint[:12]}): "
             "point --data at the original shards or start a new --run-dir"))
     segments = [tuple(seg) for seg in meta.get("segments", [])]
     if not segments and meta["step_in_epoch"]:
@@ -292,27 +292,27 @@ def _resume_point(cfg: TrainConfig, comm: Comm, shards: ShardSet, path: Path | N
     return start
 
 
-def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watchdog: Watchdog, shards: ShardSet,
+def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watchdog: Watchdog, shardset: ShardSet,
            model: Any, device: Any, start: Start, stack: contextlib.ExitStack) -> Run:
     """Readers, optimizer, LR schedule over the planned steps, gradient sync and checkpoint manager."""
     import torch
 
     batch = cfg.batch_size * cfg.accumulate
     reader = stack.enter_context(contextlib.closing(ShardReader(
-        shards, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed)))
+        shardset, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed)))
     first_reader = reader
     if start.prior:
-        done = epoch_remainder(shards, "train", start.prior, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
+        done = epoch_remainder(shardset, "train", start.prior, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
                                epoch=start.epoch)
         first_reader = stack.enter_context(contextlib.closing(ShardReader(
-            shards, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
+            shardset, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
             exclude=done, segment=len(start.prior))))
         log.info("elastic resume: %d samples of epoch %d done on %s; %d left for %d ranks", len(done), start.epoch,
                  start.prior, int(first_reader.counts.sum()), comm.size)
     val_reader = None
-    if "val" in shards.splits:
+    if "val" in shardset.splits:
         val_reader = stack.enter_context(contextlib.closing(ShardReader(
-            shards, "val", rank=comm.rank, world=comm.size, batch_size=max(cfg.batch_size, 256), shuffle=False,
+            shardset, "val", rank=comm.rank, world=comm.size, batch_size=max(cfg.batch_size, 256), shuffle=False,
             prefetch=0)))
     total_steps = start.step
     if start.epoch < cfg.epochs:
@@ -335,7 +335,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
         on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
     watchdog.idle()
-    return Run(cfg, comm, log, watchdog, shards, model, device, start, reader, first_reader, val_reader, optimizer,
+    return Run(cfg, comm, log, watchdog, shardset, model, device, start, reader, first_reader, val_reader, optimizer,
                scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps)
 
 
@@ -444,7 +444,7 @@ def _state(run: Run, sink: RunLog, epoch: int, in_epoch: int, segments: list[tup
         train_state={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()},
         rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
         meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
-              "audit_frozen": run.audit_frozen, "data_fingerprint": run.shards.fingerprint,
+              "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
               "config": run.cfg.to_dict(), "schedule_steps": run.total_steps},
     )
 
@@ -478,7 +478,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "val_loss": out.last_val.get("val_loss"), "val_accuracy": out.last_val.get("val_accuracy"),
         "samples_per_s": out.samples / max(train_time, 1e-9) if out.samples else None, "train_time_s": train_time,
         "param_sha256": digest, "ranks_in_sync": len(set(hashes)) == 1, "resumed_from": run.start.resumed_from,
-        "model": cfg.model, "data": str(cfg.data), "data_fingerprint": run.shards.fingerprint,
+        "model": cfg.model, "data": str(cfg.data), "data_fingerprint": run.shardset.fingerprint,
         "checkpoint": {"saves": m.saves, "stall_s": m.stall_seconds, "write_s": m.write_seconds,
                        "write_cpu_s": m.write_cpu_seconds,
                        "async_stall_median_s": statistics.median(m.async_stalls) if m.async_stalls else None,

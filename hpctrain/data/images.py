@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from ..base.config import ShardConfig
-from ..base.rankenv import read_env
 from ..base.errors import ConfigError, DataError, HpctrainError
 from ..base.progress import Progress
 from .shardformat import NORMALIZE_ON_READ
@@ -145,8 +144,8 @@ def _decode(items: list[Any], shape: tuple[int, int, int], size: tuple[int, int]
 # ---------------------------------------------------------------------------------------------------
 
 def _workers(requested: int) -> int:
-    """--workers, or 0: the CPUs this process owns (all it may run on; its share of them under a launcher)."""
-    return requested or read_env().torch_threads()
+    """--workers (`sharding.shard` turns 0 into the CPUs this rank owns; a direct caller's 0 is one process)."""
+    return max(1, requested)
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:

@@ -18,6 +18,7 @@ by `imagesets`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..comm import Comm, world
 from ..base.config import ShardConfig
-from ..base.rankenv import read_env
+from ..base.rankenv import RankEnv, read_env
 from .shardformat import FORMAT, MANIFEST, NORMALIZED_ON_WRITE, SPLITS, VERSION, shard_name
 from ..base.durable import fsync_dir, sha256_file
 from ..base.errors import ConfigError, DataError, HpctrainError
@@ -90,28 +91,24 @@ def _safe_to_replace(out: Path) -> bool:
         return False
 
 
-def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = None) -> dict[str, Any]:
+def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = None,
+          env: RankEnv | None = None) -> dict[str, Any]:
     """Write the shards and manifest for `cfg`; return the manifest.
 
     Under a launcher (`mpirun -n K hpctrain shard ...`) the K ranks write in parallel, each its own files,
-    and rank 0 writes the one manifest at the end; started alone, no MPI is initialized.
+    and rank 0 writes the one manifest at the end; started alone, no MPI is initialized. `env` (the rank's
+    environment, read here when not given) sizes `--workers 0`: the CPUs this rank owns.
     """
+    env = env or read_env()
+    if cfg.workers == 0:
+        cfg = dataclasses.replace(cfg, workers=env.torch_threads())
     if comm is None:
-        comm = world() if read_env().under_launcher else Comm(None)
+        comm = world() if env.under_launcher else Comm(None)
     error: HpctrainError | None = None
     source = None
+    out = cfg.out
     try:
-        out = cfg.out
-        if out.exists() and not cfg.force:
-            raise ConfigError(f"OUT {str(out)!r} already exists: choose another directory or pass --force to replace it")
-        if out.exists() and not _safe_to_replace(out):
-            raise ConfigError(f"OUT {str(out)!r} exists and is not an hpctrain dataset; refusing to replace it even with --force")
-        source = open_source(cfg.source, cfg.seed, cfg)
-        n_val = int(round(source.n * cfg.val_fraction))
-        for split, count in (("train", source.n - n_val), ("val", n_val)):
-            if 0 < count < cfg.shards or (split == "train" and count < cfg.shards):
-                raise ConfigError(f"--shards {cfg.shards} is more than the {count} {split} samples of {cfg.source!r}: "
-                                  f"use --shards {max(1, min(count, cfg.shards))} or fewer")
+        source = _open_checked(cfg)
     except HpctrainError as exc:
         error = exc
     try:
@@ -137,7 +134,7 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
                         (tmp / split).mkdir(parents=True, exist_ok=True)
             comm.barrier()
             files = sum(int((sizes[split] > 0).sum()) for split in SPLITS)
-            workers = min(read_env().torch_threads() if cfg.workers == 0 else cfg.workers, files)
+            workers = min(cfg.workers, files)
             if comm.size == 1 and source.reopenable and workers > 1:
                 digests = _write_in_workers(cfg, source, slot, sizes, workers, dtype, chunk_rows, read_rows, tmp, norm,
                                             show_progress)
@@ -169,6 +166,23 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
         if source is not None:
             source.close()
     return manifest
+
+
+def _open_checked(cfg: ShardConfig) -> Source:
+    """The source, once OUT may be written and every split has at least one sample per shard."""
+    out = cfg.out
+    if out.exists() and not cfg.force:
+        raise ConfigError(f"OUT {str(out)!r} already exists: choose another directory or pass --force to replace it")
+    if out.exists() and not _safe_to_replace(out):
+        raise ConfigError(f"OUT {str(out)!r} exists and is not an hpctrain dataset; refusing to replace it even with --force")
+    source = open_source(cfg.source, cfg.seed, cfg)
+    n_val = int(round(source.n * cfg.val_fraction))
+    for split, count in (("train", source.n - n_val), ("val", n_val)):
+        if 0 < count < cfg.shards or (split == "train" and count < cfg.shards):
+            source.close()
+            raise ConfigError(f"--shards {cfg.shards} is more than the {count} {split} samples of {cfg.source!r}: "
+                              f"use --shards {max(1, min(count, cfg.shards))} or fewer")
+    return source
 
 
 def _statistics(cfg: ShardConfig, source: Source, slot: np.ndarray, read_rows: int, show: bool) -> dict[str, Any]:
