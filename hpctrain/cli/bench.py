@@ -74,7 +74,8 @@ def train(
     baseline: Annotated[Optional[str], typer.Option(help="ddp (torch DDP, gloo) or none.")] = "ddp",
     bucket_mb: Annotated[float, typer.Option(help="hpctrain bucket size in MiB.")] = 25.0,
     overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Overlap allreduce with backward (default: as train decides).", show_default=False)] = None,
-    compress: Annotated[str, typer.Option(help="Wire format: none, fp16 or bf16.")] = "none",
+    grad_compression: Annotated[str, typer.Option(help="Wire format of the gradients: none, fp16 or bf16.")] = "none",
+    compress: Annotated[Optional[str], typer.Option(hidden=True, help="Old spelling of --grad-compression.")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per local rank; DDP baseline skipped).")] = "cpu",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -83,12 +84,15 @@ def train(
 
     Example: hpctrain bench train -n 2 --baseline ddp --json
     """
+    if compress is not None:
+        print("note: --compress is now --grad-compression; the old spelling still works", file=sys.stderr)
+        grad_compression = compress
     _relaunch(n)
     from ..tools.bench import bench_train
     from ..comm import world
 
     result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
-                         rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=compress,
+                         rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=grad_compression,
                          device=device)
     if not is_rank0():
         return
