@@ -19,6 +19,15 @@ from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 STOP_EXIT = 3  # every rank stopped at a step boundary and the checkpoint is written: resume with --resume auto
+EDGE_FLOOR_S = 60.0  # the start-up and exit deadlines are never shorter: see edge_budget
+
+
+def edge_budget(collective_timeout: float) -> float:
+    """How long a rank may wait at the edges of a run, in MPI_Init and MPI_Finalize, for its peers: the
+    collective timeout, but at least EDGE_FLOOR_S (0: never). There the wait also holds a peer's start-up or
+    teardown (importing torch, freeing its memory), which on an oversubscribed, busy node takes more than a
+    short --collective-timeout while nothing is wrong; a rank stopped there is still found, a minute later."""
+    return 0.0 if collective_timeout <= 0 else max(collective_timeout, EDGE_FLOOR_S)
 
 
 class StopFlag:

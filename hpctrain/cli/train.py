@@ -66,10 +66,10 @@ def train(
     """
     take_renamed(values, TRAIN_RENAMED, lambda name: _given(ctx, name))
     cfg = build_config(ctx, values, config)
-    from ..base.stop import FLAG
+    from ..base.stop import FLAG, edge_budget
     from ..control.trainer import train as run
 
-    FLAG.exit_budget = cfg.collective_timeout  # for what is left after the run: MPI_Finalize waits for every rank
+    FLAG.exit_budget = edge_budget(cfg.collective_timeout)  # what is left after the run: MPI_Finalize waits for every rank
     summary = run(cfg)
     if is_rank0():
         if cfg.json:

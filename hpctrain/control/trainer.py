@@ -38,7 +38,7 @@ from ..base.errors import CheckpointError, ConfigError, HpctrainError
 from ..compute.models import build_model
 from .runlog import RunLog
 from ..base.stop import FLAG as STOP
-from ..base.stop import STOP_EXIT, cancel_deadline, deadline
+from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
 from .step import auto_overlap, evaluate, lr_factor, make_optimizer, param_sha256, train_step
 from .watchdog import Watchdog
 
@@ -75,9 +75,11 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     An unexpected failure is logged with its traceback in the rank's log (RUN/logs/rank-NNNN.log) and
     re-raised as one line that names that log.
     """
+    import torch  # noqa: F401 - before the deadline below: on a busy node the import alone can outlast it
+
     try:
         if comm is None:  # MPI_Init waits for every rank: a rank stopped before it would hang the others there
-            deadline(cfg.collective_timeout)  # until the watchdog takes over in _train
+            deadline(edge_budget(cfg.collective_timeout))  # until the watchdog takes over in _train
             comm = world()
         with contextlib.ExitStack() as stack:  # every thread, file and handler is undone here, on any exit
             return _train(cfg, comm, env or read_env(), stack)

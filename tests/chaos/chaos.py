@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from hpctrain.base.stop import EDGE_FLOOR_S
+
 PYTHON = sys.executable
 TOKEN_VAR = "HPCTRAIN_CHAOS_TOKEN"
 
@@ -62,7 +64,7 @@ VAL_FRACTIONS = (0.0, 0.1, 0.25)
 BATCH_SIZES = (1, 2, 3, 5, 7, 8, 13, 16, 32, 50, 64, 100, 256)
 MAX_TOTAL_STEPS = 300  # a step takes about a millisecond; start-up (import torch) dominates a run
 SIGNAL_WINDOW_S = 30.0  # a stop signal or kill -9 must end the job within this
-STOP_WINDOW_EXTRA_S = 30.0  # a SIGSTOPped rank: --collective-timeout plus this
+STOP_WINDOW_EXTRA_S = 30.0  # a SIGSTOPped rank: --collective-timeout (at the edges of a run EDGE_FLOOR_S) plus this
 
 # --- data --------------------------------------------------------------------------------------------
 
@@ -186,8 +188,8 @@ class Case:
 
     def window(self) -> float:
         """How long after the event the job may take to end."""
-        if self.event == "stop-rank":
-            return self.collective_timeout + STOP_WINDOW_EXTRA_S
+        if self.event == "stop-rank":  # a rank stopped in MPI_Init or MPI_Finalize: the edge deadline's turn
+            return max(self.collective_timeout, EDGE_FLOOR_S) + STOP_WINDOW_EXTRA_S
         return SIGNAL_WINDOW_S
 
 

@@ -190,3 +190,15 @@ def test_a_stop_while_the_launcher_starts_ends_the_job_before_it_begins(digits2:
             from hpctrain.tools.launch import kill_tree
             kill_tree(proc.pid)
             proc.wait()
+
+
+def test_a_short_collective_timeout_does_not_abort_a_healthy_start_or_exit(digits2: Path, tmp_path: Path) -> None:
+    """`--collective-timeout 1`: the start-up deadline (MPI_Init) used to cover `import torch` too, and the exit
+    deadline (MPI_Finalize) a peer's teardown, so on a busy node a healthy job failed (exit 1 or 142; found by the
+    soak under load). Both edges now get at least stop.EDGE_FLOOR_S; torch is imported before the deadline."""
+    run = tmp_path / "r"
+    proc = subprocess.run([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--data", str(digits2),
+                           "--run-dir", str(run), "--max-steps", "3", "--collective-timeout", "1"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert summary(run)["steps"] == 3
