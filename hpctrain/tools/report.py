@@ -155,7 +155,8 @@ def rank_means(records: list[dict[str, Any]]) -> dict[str, float]:
 
 # -- plots ---------------------------------------------------------------------------------------------------
 
-def _figure(width: float = 7.0, height: float = 4.0) -> Any:
+def new_figure(width: float = 7.0, height: float = 4.0) -> Any:
+    """A figure drawn through its own Agg canvas (no pyplot, no global backend): safe on a login node."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -164,7 +165,8 @@ def _figure(width: float = 7.0, height: float = 4.0) -> Any:
     return fig
 
 
-def _empty(ax: Any, note: str) -> None:
+def note_empty(ax: Any, note: str) -> None:
+    """An axes that says why it has no data instead of drawing an empty frame."""
     ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="0.4")
     ax.set_xticks([])
     ax.set_yticks([])
@@ -177,19 +179,20 @@ def _epoch_lines(ax: Any, metrics: list[dict[str, Any]]) -> None:
             ax.axvline(step, color="0.85", linewidth=0.8, zorder=0)
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_png(fig: Any, path: Path) -> None:
+    """Write the figure as a PNG whole or not at all."""
     with replacing(path) as tmp:  # someone may be viewing the report while it is regenerated
         fig.savefig(tmp, format="png")
 
 
 def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
     """Training loss per logged step, and validation loss at the end of each epoch."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     train = [m for m in metrics if "loss" in m]
     val = [m for m in metrics if "val_loss" in m]
     if not train and not val:
-        _empty(ax, "no loss logged yet")
+        note_empty(ax, "no loss logged yet")
     else:
         _epoch_lines(ax, metrics)
         ax.plot([m["step"] for m in train], [m["loss"] for m in train], label="train loss (logged window)",
@@ -202,16 +205,16 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     ax.set_title(f"Loss: {title}")
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_accuracy(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
     """Validation accuracy per epoch, the best epoch marked."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     val = [m for m in epochs(metrics) if "val_accuracy" in m]
     if not val:
-        _empty(ax, "no validation yet (first epoch not finished, or no val split)")
+        note_empty(ax, "no validation yet (first epoch not finished, or no val split)")
     else:
         xs = [m.get("epoch", i) for i, m in enumerate(val)]  # 0-based, as in metrics.jsonl and the logs
         ys = [m["val_accuracy"] for m in val]
@@ -226,16 +229,16 @@ def plot_accuracy(metrics: list[dict[str, Any]], path: Path, title: str) -> None
         ax.set_ylabel("validation accuracy")
         ax.grid(alpha=0.3)
     ax.set_title(f"Validation accuracy: {title}")
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_throughput(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
     """Training samples per second (all ranks) per logged window, with its median."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     rows = [m for m in metrics if "samples_per_s" in m]
     if not rows:
-        _empty(ax, "no throughput logged yet")
+        note_empty(ax, "no throughput logged yet")
     else:
         _epoch_lines(ax, metrics)
         ys = [m["samples_per_s"] for m in rows]
@@ -249,16 +252,16 @@ def plot_throughput(metrics: list[dict[str, Any]], path: Path, title: str) -> No
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     ax.set_title(f"Throughput: {title}")
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_timing(ranks: dict[int, list[dict[str, Any]]], path: Path, title: str) -> None:
     """Per rank: mean compute, communication and data ms per step (stacked bars), and each over the steps."""
-    fig = _figure(10.0, 6.5)
+    fig = new_figure(10.0, 6.5)
     if not ranks:
-        _empty(fig.add_subplot(), "no per-rank timing yet (RUN/logs/rank-*.jsonl)")
+        note_empty(fig.add_subplot(), "no per-rank timing yet (RUN/logs/rank-*.jsonl)")
         fig.suptitle(f"Time per step by rank: {title}")
-        _save(fig, path)
+        save_png(fig, path)
         return
     grid = fig.add_gridspec(2, 3, height_ratios=[1.2, 1])
     bars = fig.add_subplot(grid[0, :])
@@ -301,7 +304,7 @@ def plot_timing(ranks: dict[int, list[dict[str, Any]]], path: Path, title: str) 
             ax.set_ylabel("ms per step")
             ax.legend(fontsize=8)
     fig.suptitle(f"Time per step by rank: {title}")
-    _save(fig, path)
+    save_png(fig, path)
 
 
 # -- markdown ------------------------------------------------------------------------------------------------

@@ -1,0 +1,312 @@
+"""`hpctrain report RUN1 RUN2 ...`: several runs side by side, the best one named.
+
+This module owns comparing runs: their final figures in one table (compare.md and compare.json), their
+training loss and validation metrics over steps in one plot (compare.png), the best run and the criterion
+that picked it, and each run's status. Reading a run is report.py's (`load_run`, which also reads a run
+that is still going); a run that cannot be read yet (no metrics.jsonl, no complete step) is a row marked
+missing, so one broken element of a sweep does not hide the others.
+
+A run's status comes from what the trainer leaves in RUN: summary.json for the step last logged is
+finished; a rank's log that says it was stopped (a checkpoint written: `--resume auto` continues it) is
+stopped; a rank's log that says training failed (or that a rank ended the job) is failed. Otherwise the
+ranks' heartbeat files (RUN/logs/rank-NNNN.heartbeat, written every second by runs on more than one rank,
+removed by each rank as it exits) tell them apart: a fresh one is running, only stale ones (killed ranks, a
+lost node) or none at all (every rank exited on an error they agreed on) is failed. A one-rank run writes no
+heartbeat, so without a summary or a stop it is reported running, with the age of its newest file to judge
+by. Only the latest attempt counts: a resumed run appends to its logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from ..base.durable import write_text
+from ..base.errors import ConfigError, DataError, HpctrainError
+from .report import epochs, load_run, new_figure, note_empty, save_png
+
+COMPARE_FILES = {"plot": "compare.png", "table": "compare.md", "json": "compare.json"}
+"""What a comparison writes into its out_dir, so the names are stable for scripts."""
+
+HEARTBEAT_STALE_S = 120.0
+"""A heartbeat older than this (ranks write one a second) means the rank is gone: killed, or its node lost."""
+
+CRITERIA = (("val_accuracy", "highest"), ("val_loss", "lowest"), ("train_loss", "lowest"))
+"""The first figure that every readable run has picks the best run, in this order."""
+
+_FIRST_BEAT_S = 30.0  # a multi-rank attempt writes its first heartbeat a second after its log's first line
+_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank \d+ [A-Z]+ ")  # runlog.setup_logging's format
+_START = re.compile(r" INFO world (\d+), rank \d+, ")  # the trainer's first line of an attempt in a rank's log
+_STOPPED = re.compile(r" WARNING (stopped by \S+ at step \d+); checkpoint written")
+_FAILED = re.compile(r" ERROR (training failed|.*; ending the job|.*; aborting the job)$")  # a rank, the watchdog
+
+
+# -- one run -------------------------------------------------------------------------------------------------
+
+def _attempt(path: Path) -> tuple[int | None, list[str]]:
+    """The world size and the lines of the latest attempt in one rank's log (a resumed run appends)."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = _START.search(lines[i])
+        if found:
+            return int(found.group(1)), lines[i + 1:]
+    return None, lines
+
+
+def _failure(lines: list[str], at: int) -> str:
+    """The logged error at lines[at], with the last line of the traceback logged under it (the exception)."""
+    why = lines[at].split(" ERROR ", 1)[1]
+    below = []
+    for line in lines[at + 1:]:
+        if _LOG_LINE.match(line):
+            break
+        below.append(line.strip())
+    exception = next((line for line in reversed(below) if line), None)
+    return (f"{why}: {exception}" if exception else why)[:300]
+
+
+def _beat_age(path: Path, now: float) -> float:
+    try:
+        beat = json.loads(path.read_text())
+        return now - float(beat["time"])
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: judge by when it was written
+        return now - path.stat().st_mtime
+
+
+def run_status(run: dict[str, Any], now: float | None = None) -> tuple[str, str]:
+    """(status, why) of a run read by `load_run`: finished, failed, stopped or running (see the module doc).
+
+    `now` is the time to judge heartbeats against (default: the clock).
+    """
+    if run["summary"] is not None:
+        return "finished", "summary.json"
+    now = time.time() if now is None else now
+    logs = Path(run["run_dir"]) / "logs"
+    world, _ = _attempt(logs / "rank-0000.log") if (logs / "rank-0000.log").is_file() else (None, [])
+
+    def current(path: Path) -> bool:  # logs of ranks beyond this attempt's world size are an earlier run's
+        try:
+            return world is None or int(path.name.split(".")[0].split("-")[1]) < world
+        except (IndexError, ValueError):
+            return False
+
+    stopped = None
+    for path in sorted(p for p in logs.glob("rank-*.log") if current(p)):
+        lines = _attempt(path)[1]
+        for i, line in enumerate(lines):
+            if _FAILED.search(line):
+                return "failed", _failure(lines, i)
+            stopped = stopped or _STOPPED.search(line)
+    if stopped:
+        return "stopped", f"{stopped.group(1)}; continue it with --resume auto"
+    ages = [_beat_age(p, now) for p in logs.glob("rank-*.heartbeat") if current(p)]
+    if ages and min(ages) <= HEARTBEAT_STALE_S:
+        return "running", f"heartbeat {max(0.0, min(ages)):.0f} s ago"
+    if ages:
+        return "failed", (f"no heartbeat for {min(ages):.0f} s and no summary.json: its ranks were killed, or "
+                          "their node lost (see RUN/logs and the job's output)")
+    files = [p for p in (Path(run["run_dir"]) / "metrics.jsonl", *logs.glob("rank-*.log")) if p.is_file()]
+    idle = now - max(p.stat().st_mtime for p in files)
+    if world is not None and world > 1 and idle > _FIRST_BEAT_S:  # every rank exited and removed its heartbeat
+        return "failed", ("its ranks exited without summary.json, a stop or a logged error (see RUN/logs and "
+                          "the job's output)")
+    return "running", f"no summary.json yet; last written {max(0.0, idle):.0f} s ago"
+
+
+def read_row(name: str, run_dir: Path, now: float | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """One run's final figures as a row of the comparison, and the run as `load_run` read it (None, and
+    status "missing" with why, when it cannot be read yet).
+
+    A finished run's figures are its summary's (train_loss: the last epoch's mean); a run without one gives
+    its last logged step, the last logged window's loss, the last epoch's validation and the median
+    throughput so far.
+    """
+    row: dict[str, Any] = {"name": name, "run_dir": str(run_dir), "status": "missing", "why": "",
+                           "steps": None, "train_loss": None, "val_loss": None, "val_accuracy": None,
+                           "samples_per_s": None, "train_time_s": None, "param_sha256": None}
+    try:
+        run = load_run(run_dir)
+    except HpctrainError as exc:
+        row["why"] = str(exc)
+        return row, None
+    row["status"], row["why"] = run_status(run, now)
+    summary, metrics = run["summary"], run["metrics"]
+    if summary is not None:
+        row.update({k: summary.get(k) for k in ("steps", "train_loss", "val_loss", "val_accuracy", "samples_per_s",
+                                                 "train_time_s", "param_sha256")})
+        return row, run
+    row.update(steps=metrics[-1]["step"], train_loss=metrics[-1].get("loss"))
+    for key in ("val_loss", "val_accuracy"):
+        row[key] = next((m[key] for m in reversed(epochs(metrics)) if key in m), None)
+    speeds = [m["samples_per_s"] for m in metrics if isinstance(m.get("samples_per_s"), (int, float))]
+    row["samples_per_s"] = statistics.median(speeds) if speeds else None
+    return row, run
+
+
+# -- several runs --------------------------------------------------------------------------------------------
+
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's directory name (a sweep names them KEY=V_KEY=V), or its path below the runs' common
+    directory where two names are the same."""
+    full = [Path(os.path.abspath(d)) for d in run_dirs]
+    names = [p.name or str(p) for p in full]
+    if len(set(names)) == len(names):
+        return names
+    common = Path(os.path.commonpath(full))
+    return [p.relative_to(common).as_posix() or p.name for p in full]
+
+
+def pick_best(rows: list[dict[str, Any]]) -> tuple[str | None, str | None, str]:
+    """(best run's name, criterion, how it was picked) over the rows that are not missing.
+
+    The criterion is the first of CRITERIA that every such run has; a run whose figure is not a finite
+    number (a diverged run's NaN loss) can never be best.
+    """
+    present = [r for r in rows if r["status"] != "missing"]
+    for key, direction in CRITERIA:
+        if present and all(isinstance(r[key], (int, float)) for r in present):
+            finite = [r for r in present if math.isfinite(r[key])]
+            if not finite:
+                return None, key, f"{direction} {key}: no run has a finite {key}"
+            pick = max if direction == "highest" else min
+            best = pick(finite, key=lambda r: r[key])  # the first of equals, in the order given
+            scope = "every run has one" if len(present) == len(rows) else "every run that has metrics has one"
+            return best["name"], key, f"{direction} {key} ({best[key]:.4f}; {scope})"
+    return None, None, "no figure that every run has"
+
+
+def _plot_panel(ax: Any, series: list[tuple[str, list[dict[str, Any]]]], key: str, best: str | None,
+                colors: dict[str, Any]) -> None:
+    drawn = 0
+    for name, metrics in series:
+        points = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+        if points:
+            style = {"linewidth": 2.2 if name == best else 1.2, "zorder": 3 if name == best else 2}
+            color, dash = colors[name]
+            ax.plot(*zip(*points), marker="o" if key != "loss" else None, linestyle=dash, markersize=3, color=color,
+                    label=name + (" (best)" if name == best else ""), **style)
+            drawn += 1
+    if not drawn:
+        note_empty(ax, f"no {key} logged yet")
+        return
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+
+def plot_comparison(series: list[tuple[str, list[dict[str, Any]]]], path: Path, best: str | None,
+                    missing: tuple[str, ...] = ()) -> None:
+    """Training loss (top) and validation loss and accuracy (below) over steps, one line per run; the
+    best run drawn thicker and marked in the legend; the `missing` runs named in the title."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10" if len(series) <= 10 else "tab20"]
+    dashes = ("-", "--", ":", "-.")  # beyond the palette's colours, the same colours dashed
+    colors = {name: (palette(i % palette.N), dashes[i // palette.N % 4]) for i, (name, _) in enumerate(series)}
+    fig = new_figure(11.0, max(7.0, 1.2 + 0.24 * len(series)))
+    grid = fig.add_gridspec(2, 2)
+    panels = {"loss": fig.add_subplot(grid[0, :]), "val_loss": fig.add_subplot(grid[1, 0]),
+              "val_accuracy": fig.add_subplot(grid[1, 1])}
+    titles = {"loss": "training loss (logged window)", "val_loss": "validation loss (epoch end)",
+              "val_accuracy": "validation accuracy (epoch end)"}
+    for key, ax in panels.items():
+        _plot_panel(ax, series, key, best, colors)
+        ax.set_title(titles[key], fontsize=10)
+    handles, labels = [], []
+    for ax in panels.values():  # one legend entry per run, from whichever panel drew it
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    if handles:
+        fig.legend(handles, labels, loc="outside right upper", fontsize=8, title="run")
+    title = f"{len(series)} runs compared"
+    if missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        title = f"{len(series)} of {len(series) + len(missing)} runs compared ({len(missing)} missing: {names})"
+    fig.suptitle(title)
+    save_png(fig, path)
+
+
+_COLUMNS = {"steps": "{:,}", "train_loss": "{:.4f}", "val_loss": "{:.4f}", "val_accuracy": "{:.4f}",
+            "samples_per_s": "{:,.0f}", "train_time_s": "{:,.1f}"}  # the table's figures and their formats
+
+
+def render_table(result: dict[str, Any]) -> str:
+    """The text of compare.md (pure: no I/O): the best run, the table of final figures, notes, the plot."""
+    rows, best = result["runs"], result["best"]
+    lines = [f"# Comparison of {len(rows)} runs", ""]
+    lines += [f"**Best run: `{best}`**, by {result['criterion_text']}." if best else
+              f"**No best run**: {result['criterion_text']}.", ""]
+    lines += ["| run | status | steps | train loss | val_loss | val_accuracy | samples/s | wall s | param_sha256 |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        name = f"`{r['name']}`".replace("|", "\\|") + (" **(best)**" if r["name"] == best else "")
+        sha = f"`{r['param_sha256'][:12]}`" if r["param_sha256"] else ""
+        figures = [form.format(r[k]) if isinstance(r[k], (int, float)) else "" for k, form in _COLUMNS.items()]
+        cells = [name, r["status"], *figures, sha]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    notes = [r for r in rows if r["status"] != "finished"]
+    if notes:
+        lines += ["Runs not finished" + (" (their figures so far: train loss of the last logged window, "
+                                         "validation of the last epoch, median samples/s)" if
+                                         any(r["status"] != "missing" for r in notes) else "") + ":", ""]
+        lines += [f"- `{r['name']}` {r['status']}: {r['why']}" for r in notes]
+        lines.append("")
+    lines += ["## Loss and validation over steps", "", f"![Loss and validation over steps]({COMPARE_FILES['plot']})",
+              "", "## Run directories", ""]
+    lines += [f"- `{r['name']}`: `{r['run_dir']}`" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def compare_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Any]:
+    """Compare several runs (finished or not) into out_dir: compare.png, compare.md and compare.json.
+
+    Returns {"best": the best run's name or None, "criterion": the figure that picked it ("val_accuracy",
+    "val_loss" or "train_loss"), "criterion_text": how, "runs": one row per run in the order given (see
+    `read_row`), "files": {"plot", "table", "json"}: the paths written}. A run that cannot be read is a row
+    with status "missing"; when none can be read, DataError, and nothing is written.
+    """
+    run_dirs, out_dir = [Path(d) for d in run_dirs], Path(out_dir)
+    if not run_dirs:
+        raise ConfigError("no run directory to compare: pass one or more --run-dir of `hpctrain train` runs")
+    seen = [os.path.realpath(d) for d in run_dirs]
+    twice = sorted({str(d) for d, real in zip(run_dirs, seen) if seen.count(real) > 1})
+    if twice:
+        raise ConfigError(f"run directory {twice[0]!r} is passed twice: pass each run once")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"-o {str(out_dir)!r} is a file: pass a directory for the comparison")
+    now = time.time()
+    read = [read_row(name, d, now) for name, d in zip(run_names(run_dirs), run_dirs)]
+    rows = [row for row, _ in read]
+    if all(r["status"] == "missing" for r in rows):
+        why = "; ".join(f"{r['name']}: {r['why']}" for r in rows[:3]) + ("; ..." if len(rows) > 3 else "")
+        raise DataError(f"none of the {len(rows)} run directories has a logged step to compare ({why}); pass "
+                        "the --run-dir of `hpctrain train` runs that have logged at least one step")
+    best, criterion, text = pick_best(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {key: out_dir / name for key, name in COMPARE_FILES.items()}
+    series = [(row["name"], run["metrics"]) for row, run in read if run is not None]
+    plot_comparison(series, files["plot"], best, tuple(r["name"] for r in rows if r["status"] == "missing"))
+    result = {"best": best, "criterion": criterion, "criterion_text": text, "runs": rows, "files": files}
+    write_text(files["table"], render_table(result))
+    plain = {**result, "files": {k: str(p) for k, p in files.items()}}
+    write_text(files["json"], json.dumps(_strict(plain), indent=2, allow_nan=False) + "\n")
+    return result
+
+
+def _strict(value: Any) -> Any:
+    """`value` with NaN and infinities (a diverged run's loss) as null: compare.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
