@@ -1,6 +1,6 @@
 """The one place that reads the launcher's environment.
 
-SLURM_*, OMPI_*, PMI_*/PMIX_* and CUDA_VISIBLE_DEVICES are read here, from one table of names, and handed
+SLURM_*, OMPI_*, PMI_*/PMIX_*, CUDA_VISIBLE_DEVICES and TMPDIR are read here, from one table of names, and handed
 down as a plain `RankEnv` value. Nothing else in hpctrain looks at these variables.
 """
 
@@ -18,9 +18,13 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "local_size": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"),
     "cpus_per_task": ("SLURM_CPUS_PER_TASK",),
     "job_id": ("SLURM_JOB_ID",),
+    "array_job_id": ("SLURM_ARRAY_JOB_ID",),
+    "array_task_id": ("SLURM_ARRAY_TASK_ID",),
     "node_name": ("SLURMD_NODENAME",),
     "restart_count": ("SLURM_RESTART_COUNT",),
     "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
+    "slurm_tmpdir": ("SLURM_TMPDIR",),
+    "tmpdir": ("TMPDIR",),
 }
 
 # Variables whose presence says which launcher started this process.
@@ -42,9 +46,13 @@ class RankEnv:
     local_size: int = 1
     cpus_per_task: int | None = None
     job_id: str | None = None
+    array_job_id: str | None = None  # in an element of a job array: the array's job id, and the element's index
+    array_task_id: int | None = None
     node_name: str | None = None
     restart_count: int = 0
     cuda_visible_devices: str | None = None
+    slurm_tmpdir: str | None = None  # the job's node-local scratch directory, where a site sets it up
+    tmpdir: str | None = None
     launcher: str = "none"
     cpus_available: int = 1
 
@@ -92,9 +100,13 @@ def read_env(environ: Mapping[str, str] | None = None) -> RankEnv:
         local_size=_int(raw["local_size"]) or 1,
         cpus_per_task=_int(raw["cpus_per_task"]),
         job_id=raw["job_id"],
+        array_job_id=raw["array_job_id"],
+        array_task_id=_int(raw["array_task_id"]),
         node_name=raw["node_name"],
         restart_count=_int(raw["restart_count"]) or 0,
         cuda_visible_devices=raw["cuda_visible_devices"],
+        slurm_tmpdir=raw["slurm_tmpdir"],
+        tmpdir=raw["tmpdir"],
         launcher=launcher,
         cpus_available=cpus,
     )

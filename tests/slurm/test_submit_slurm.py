@@ -200,4 +200,5 @@ def test_sbatch_test_only_refuses_what_the_cluster_cannot_run(slurm_cluster, tmp
     proc = cli(["submit", "--nodes", "3", "--folder", str(tmp_path / "j"), "--", "train"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "Slurm refuses this job" in proc.stderr, proc.stderr
     assert not (tmp_path / "j").exists()
-    assert render_sbatch(SubmitConfig(nodes=3), ["train"])  # the script itself is fine; the cluster is too small
+    # the script itself is fine; the cluster is too small
+    assert render_sbatch(SubmitConfig(nodes=3, cpus_per_task=1), ["train"])

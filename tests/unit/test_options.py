@@ -80,7 +80,7 @@ def test_shard_s_old_compression_flag_still_works(tmp_path: Path) -> None:
 
 def test_submit_builds_its_config_from_the_dataclass(tmp_path: Path) -> None:
     result = runner.invoke(app, ["submit", "--dry-run", "--json", "--folder", str(tmp_path), "--env", "A=1", "--env",
-                                 "B=2", "--nodes", "2", "--", "train", "--data", "d"])
+                                 "B=2", "--nodes", "2", "--cpus-per-task", "2", "--", "train", "--data", "d"])
     assert result.exit_code == 0, result.output
     import json
 

@@ -3,6 +3,11 @@
 The only package that imports submitit. Its modules, one per concern:
 
 - `config`: `SubmitConfig`, what `hpctrain submit` asks for, checked in `__post_init__`.
+- `cpus`: `--cpus-per-task auto` (the default): the partition's CPUs per node, from `sinfo`, shared among the
+  ranks of a node; resolved before rendering (`resolve_cpus(cfg, table)` is pure, `with_cpus(cfg)` asks sinfo).
+- `sweep`: `--sweep KEY=V1,V2,...`: the grid of train flags, one element of a job array per combination, each
+  in RUN/KEY=V[_KEY=V...]; the elements' arguments are written to a file in the job folder at submission and
+  read by each element's supervisor by its array index.
 - `render`: `render_sbatch(cfg, command)`, the batch script, a pure function (pinned by golden files). It is
   built by submitit's own sbatch writer, so the text `--dry-run` prints is byte for byte the file that is
   submitted. The script `exec`s the supervisor, which starts the ranks with
@@ -12,7 +17,8 @@ The only package that imports submitit. Its modules, one per concern:
   submitit's submission; `cancel`.
 - `submitit_private`: every use of submitit's private API (and why), in one place.
 - `supervise`: `supervise(...)` runs in the job (`python -m hpctrain.tools.slurm supervise`). It keeps a record
-  of the job in the job folder (FOLDER/JOBID_hpctrain.jsonl) and decides what an exit means: 0 completed; 3
+  of the job in the job folder (FOLDER/JOBID_hpctrain.jsonl; JOBID_TASK_hpctrain.jsonl for an element of a job
+  array, which requeues alone) and decides what an exit means: 0 completed; 3
   (every rank stopped on SIGTERM/SIGUSR2 and wrote one checkpoint together) is a preemption or a timeout, and
   the job requeues itself (`scontrol requeue`) up to `max_requeues` times to resume with `--resume auto`; any
   other code is a failure and never requeues. `run_rank(...)`: one rank's wrapper: forwards signals, notes the
@@ -21,7 +27,8 @@ The only package that imports submitit. Its modules, one per concern:
 - `core`: the job folder's files (the record, the submission's note, the logs), running a Slurm command, and
   what Slurm still knows of a job (`scontrol show job`), shared by the parts above.
 - `status`: `job_status`, `list_jobs`, `wait`: read that record together with what Slurm still knows, since
-  sacct needs slurmdbd, which many clusters (and the local one) lack.
+  sacct needs slurmdbd, which many clusters (and the local one) lack; a job array's state is made of its
+  elements'.
 - `__main__`: `python -m hpctrain.tools.slurm rank|supervise`, holding the stop signals from its first line.
 
 This file imports nothing: Python imports it before `__main__`, whose first lines must hold the stop signals

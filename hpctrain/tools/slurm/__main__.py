@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sup.add_argument("--folder", type=Path, required=True)
     sup.add_argument("--max-requeues", type=int, default=10)
     sup.add_argument("--signal-delay", type=int, default=90)
+    sup.add_argument("--sweep", type=Path, default=None, help="a job array's sweep file: append this element's flags")
     sup.add_argument("argv", nargs=argparse.REMAINDER)
     rank = sub.add_parser("rank", help="run one rank; a checkpointed stop (exit 3) exits 0 and is recorded")
     rank.add_argument("--folder", type=Path, required=True)
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "rank":
             return run_rank(args.folder, command, early=_EARLY)
         return supervise(args.folder, command, max_requeues=args.max_requeues, signal_delay_s=args.signal_delay,
-                         early=_EARLY)
+                         early=_EARLY, sweep=args.sweep)
     finally:
         # This process is done with the ranks: a stop that comes now (after the run's last step) must not kill
         # it on its way out (Python resets its own handlers to the default action while it exits).

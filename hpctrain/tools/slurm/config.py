@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...base.errors import ConfigError, one_of
+from .sweep import parse_sweep, sweep_size
 
 MPI_MODES = ("pmix", "pmi2", "mpirun")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -23,8 +24,9 @@ class SubmitConfig:
     """GPUs per node; one rank per GPU."""
     tasks_per_node: int | None = None
     """Ranks per node (default: --gpus, or 1 without GPUs)."""
-    cpus_per_task: int = 1
-    """CPUs per rank; also OMP_NUM_THREADS and the rank's torch threads."""
+    cpus_per_task: int | str = "auto"
+    """CPUs per rank (also OMP_NUM_THREADS and the rank's torch threads): a number, or auto: the partition's
+    CPUs per node (from sinfo) divided by the ranks per node (with --gpus: by the node's GPUs, if more)."""
     partition: str | None = None
     """Slurm partition (default: the cluster's)."""
     time: int = 60
@@ -46,6 +48,11 @@ class SubmitConfig:
     most 90)."""
     max_requeues: int = 10
     """How often the job may requeue itself after a checkpoint (preemption or time limit)."""
+    sweep: tuple[str, ...] = ()
+    """A train flag and its values, KEY=V1,V2,... (repeatable): the grid of all combinations runs as one job
+    array, each element in RUN/KEY=V[_KEY=V...] (RUN: the train command's --run-dir)."""
+    max_parallel: int | None = None
+    """Elements of a --sweep that may run at once (default: all)."""
     binds: tuple[str, ...] = ()
     """Extra paths to bind into the container (the job folder and the command's --data/--run-dir always are)."""
     python: str = field(default_factory=lambda: sys.executable)
@@ -55,9 +62,17 @@ class SubmitConfig:
     """The Python inside the container that runs the ranks of an hpctrain subcommand."""
 
     def __post_init__(self) -> None:
-        for name, value, low in (("--nodes", self.nodes, 1), ("--gpus", self.gpus, 0),
-                                 ("--cpus-per-task", self.cpus_per_task, 1), ("--time", self.time, 1),
-                                 ("--max-requeues", self.max_requeues, 0)):
+        if isinstance(self.cpus_per_task, str) and self.cpus_per_task != "auto":
+            try:
+                self.cpus_per_task = int(self.cpus_per_task)
+            except ValueError:
+                raise ConfigError(f"--cpus-per-task {self.cpus_per_task!r} must be a whole number of at least 1, "
+                                  "or auto (the node's CPUs shared among its ranks)") from None
+        checked = [("--nodes", self.nodes, 1), ("--gpus", self.gpus, 0), ("--time", self.time, 1),
+                   ("--max-requeues", self.max_requeues, 0)]
+        checked += [("--cpus-per-task", self.cpus_per_task, 1)] if self.cpus_per_task != "auto" else []
+        checked += [("--max-parallel", self.max_parallel, 1)] if self.max_parallel is not None else []
+        for name, value, low in checked:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{name} {value!r} must be a whole number of at least {low}")
         if self.tasks_per_node is None:
@@ -81,6 +96,11 @@ class SubmitConfig:
                 raise ConfigError(f"--env {item!r} must be NAME=VALUE with a shell variable name, e.g. --env NCCL_DEBUG=INFO")
         if not self.job_name or any(c.isspace() for c in self.job_name):
             raise ConfigError(f"job name {self.job_name!r} must be one word")
+        self.sweep = (self.sweep,) if isinstance(self.sweep, str) else tuple(self.sweep)
+        parse_sweep(self.sweep)
+        if self.max_parallel is not None and not self.sweep:
+            raise ConfigError(f"--max-parallel {self.max_parallel} limits how many elements of a --sweep run at "
+                              "once: give a --sweep, or leave --max-parallel out")
         self.folder = Path(self.folder)
         if self.container is not None:
             self.container = Path(self.container)
@@ -88,3 +108,8 @@ class SubmitConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * int(self.tasks_per_node or 1)
+
+    @property
+    def array_size(self) -> int:
+        """Elements of the job array a --sweep makes (0: one job, no array)."""
+        return sweep_size(self.sweep)

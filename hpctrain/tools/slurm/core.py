@@ -3,7 +3,9 @@ and what Slurm still knows of a job.
 
 The job folder holds, per job: the record (JOBID_hpctrain.jsonl, one JSON event a line, appended by the
 supervisor and the rank wrappers), the submission's note (JOBID_hpctrain.json, written by `submit`), and every
-rank's logs (JOBID_RANK_log.out/.err).
+rank's logs (JOBID_RANK_log.out/.err). An element of a job array (a sweep) is named JOBID_TASK (its array's
+job id and its index), as Slurm names it: its record and logs are JOBID_TASK_hpctrain.jsonl and
+JOBID_TASK_RANK_log.out/.err; the array's note, JOBID_hpctrain.json, lists its elements.
 """
 
 from __future__ import annotations
@@ -18,6 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from ...base.errors import ConfigError, SubmissionError
+from ...base.rankenv import RankEnv
+
+
+def job_key(env: RankEnv) -> str:
+    """The name of this job's files: its job id, or JOBID_TASK in an element of a job array ("local" outside
+    Slurm)."""
+    if env.array_job_id and env.array_task_id is not None:
+        return f"{env.array_job_id}_{env.array_task_id}"
+    return env.job_id or "local"
+
+
+def log_pattern(folder: Path, array: bool) -> str:
+    """srun's --output/--error file pattern of every rank's log (%t: the rank), the name `log_path` gives."""
+    return f"{folder}/%A_%a_%t_log" if array else f"{folder}/%j_%t_log"
 
 
 def record_path(folder: Path, job_id: str) -> Path:
@@ -26,6 +42,15 @@ def record_path(folder: Path, job_id: str) -> Path:
 
 def meta_path(folder: Path, job_id: str) -> Path:
     return Path(folder) / f"{job_id}_hpctrain.json"
+
+
+def read_meta(folder: Path, job_id: str) -> dict[str, Any]:
+    """The submission's note of a job, or of the array an element JOBID_TASK belongs to ({} if none)."""
+    path = meta_path(folder, str(job_id).split("_")[0])
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def log_path(folder: Path, job_id: str, rank: int = 0, stream: str = "err") -> Path:
@@ -90,18 +115,38 @@ def parse_duration(text: str) -> int | None:
     return int(days or 0) * 86400 + h * 3600 + mi * 60 + s
 
 
-def slurm_job(job_id: str) -> dict[str, str] | None:
-    """What Slurm still knows about a job (`scontrol show job -o`), or None once it has forgotten it."""
+def slurm_jobs(job_id: str) -> list[dict[str, str]]:
+    """What Slurm still knows about a job (`scontrol show job -o`): one dict per line (an array has one per
+    element that started, and one for those still pending), [] once it has forgotten it."""
     try:
         # a controller that is down makes scontrol retry for a minute: the record alone tells then
         proc = run_slurm(["scontrol", "show", "job", "-o", str(job_id)], timeout=10)
     except SubmissionError:  # no Slurm client here
-        return None
+        return []
     if proc.returncode != 0 or "JobId=" not in proc.stdout:
-        return None
-    info: dict[str, str] = {}
-    for token in shlex.split(proc.stdout.strip().splitlines()[0]):
-        key, eq, value = token.partition("=")
-        if eq and key not in info:
-            info[key] = value
-    return info
+        return []
+    jobs = []
+    for line in proc.stdout.strip().splitlines():
+        info: dict[str, str] = {}
+        for token in shlex.split(line):
+            key, eq, value = token.partition("=")
+            if eq and key not in info:
+                info[key] = value
+        jobs.append(info)
+    return jobs
+
+
+def slurm_job(job_id: str) -> dict[str, str] | None:
+    """What Slurm still knows about a job or one element of an array, or None once it has forgotten it."""
+    jobs = slurm_jobs(job_id)
+    return jobs[0] if jobs else None
+
+
+def array_tasks(text: str) -> list[int]:
+    """The indices in Slurm's ArrayTaskId: `3`, `2-5%2`, `0,4-6`."""
+    tasks: list[int] = []
+    for part in text.split("%")[0].split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            tasks += range(int(first), int(last or first) + 1)
+    return tasks

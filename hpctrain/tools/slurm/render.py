@@ -2,7 +2,9 @@
 
 It is built by submitit's own sbatch writer (`submitit_private.make_sbatch_string`), so the text `--dry-run`
 prints is byte for byte the file that `submission.submit` hands to sbatch. Also the argument lists the script
-is made of: the supervisor, the launcher (srun or mpirun), the rank wrapper, and what every rank runs.
+is made of: the supervisor, the launcher (srun or mpirun), the rank wrapper, and what every rank runs. A sweep
+is the same script as a job array: the supervisor of each element is given the sweep file (see `sweep`).
+`--cpus-per-task auto` must be resolved first (`cpus.with_cpus`): rendering does no I/O.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any, Sequence
 from ...base.errors import ConfigError
 from ..launch import SUBCOMMANDS
 from .config import SubmitConfig
+from .core import log_pattern
 from .submitit_private import make_sbatch_string
+from .sweep import sweep_elements, sweep_file
 
 # Slurm signals a rank's processes from their first instruction: the rank wrapper starts with SIGUSR2 blocked
 # (pending, not lost, across exec), and unblocks it once its handler is in (GNU env, coreutils >= 8.31; the
@@ -67,17 +71,23 @@ def _launch_parts(cfg: SubmitConfig, command: Sequence[str]) -> list[list[str]]:
         launcher = ["mpirun", "-n", str(cfg.world_size), "--map-by", f"ppr:{cfg.tasks_per_node}:node",
                     "--bind-to", "none"]
     else:
-        folder = str(cfg.folder)
-        launcher = ["srun", "--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error",
-                    f"{folder}/%j_%t_log.err", f"--mpi={cfg.mpi}", "--kill-on-bad-exit=1"]
+        # --cpus-per-task again: srun does not take it from the job since Slurm 22.05, and would bind every
+        # rank to one CPU where the site binds tasks (while OMP_NUM_THREADS says more).
+        logs = log_pattern(cfg.folder, array=bool(cfg.sweep))
+        launcher = ["srun", "--unbuffered", "--output", f"{logs}.out", "--error", f"{logs}.err",
+                    f"--cpus-per-task={cfg.cpus_per_task}", f"--mpi={cfg.mpi}", "--kill-on-bad-exit=1"]
     wrapper = [*BLOCK_STOP, cfg.python, "-u", "-m", "hpctrain.tools.slurm", "rank", "--folder", str(cfg.folder), "--"]
     return [launcher, wrapper, rank_command(cfg, command)]
 
 
 def sbatch_parameters(cfg: SubmitConfig, command: Sequence[str]) -> dict[str, Any]:
     """The keyword arguments of submitit's sbatch writer for this job (the valid ones are its parameters)."""
+    _check_resolved(cfg)
     setup = ["export CUDA_DEVICE_ORDER=PCI_BUS_ID", f"export OMP_NUM_THREADS={cfg.cpus_per_task}"]
     setup += [f"export {item.partition('=')[0]}={shlex.quote(item.partition('=')[2])}" for item in cfg.env]
+    if cfg.sweep:  # what each element runs, for the reader (the supervisor reads it from the sweep file)
+        setup += ["# job array: element N appends its flags to the command"]
+        setup += [f"#   {e['task']}: {shlex.join(e['args'])}" for e in sweep_elements(cfg.sweep, command)]
     if cfg.container is not None:
         # apptainer refuses to bind a directory that does not exist yet (a new run directory).
         setup += [shlex.join(["mkdir", "-p", "--", *command_paths(command)])] if command_paths(command) else []
@@ -95,17 +105,29 @@ def sbatch_parameters(cfg: SubmitConfig, command: Sequence[str]) -> dict[str, An
         params["partition"] = cfg.partition
     if cfg.account:
         params["account"] = cfg.account
+    if cfg.sweep:
+        params["array_parallelism"] = cfg.max_parallel or cfg.array_size
     return params
+
+
+def _check_resolved(cfg: SubmitConfig) -> None:
+    if not isinstance(cfg.cpus_per_task, int):
+        raise ConfigError(f"--cpus-per-task {cfg.cpus_per_task!r} is resolved before the script is written "
+                          "(hpctrain.tools.slurm.cpus.with_cpus asks sinfo): pass a number, or resolve it first")
 
 
 def batch_command(cfg: SubmitConfig, command: Sequence[str]) -> str:
     """The script's last line: the supervisor replaces the batch shell and starts the ranks."""
     supervisor = [cfg.python, "-u", "-m", "hpctrain.tools.slurm", "supervise", "--folder", str(cfg.folder),
-                  "--max-requeues", str(cfg.max_requeues), "--signal-delay", str(cfg.signal_delay_s), "--"]
-    parts = [supervisor, *_launch_parts(cfg, command)]
+                  "--max-requeues", str(cfg.max_requeues), "--signal-delay", str(cfg.signal_delay_s)]
+    if cfg.sweep:  # each element appends its combination's flags to COMMAND, read there by its array index
+        supervisor += ["--sweep", str(sweep_file(cfg.folder, sweep_elements(cfg.sweep, command)))]
+    parts = [[*supervisor, "--"], *_launch_parts(cfg, command)]
     return "exec " + " \\\n    ".join(shlex.join(part) for part in parts)
 
 
 def render_sbatch(cfg: SubmitConfig, command: Sequence[str]) -> str:
-    """The batch script `hpctrain submit` writes for COMMAND (pure: no I/O, the same text every time)."""
-    return make_sbatch_string(batch_command(cfg, command), cfg.folder, **sbatch_parameters(cfg, command))
+    """The batch script `hpctrain submit` writes for COMMAND (pure: no I/O, the same text every time): one job,
+    or with --sweep a job array of one element per combination (`#SBATCH --array=0-N%K`)."""
+    return make_sbatch_string(batch_command(cfg, command), cfg.folder, array_size=cfg.array_size or None,
+                              **sbatch_parameters(cfg, command))

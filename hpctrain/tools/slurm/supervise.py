@@ -1,7 +1,8 @@
 """Inside the job: the supervisor (`supervise`), the rank wrapper (`run_rank`) and the stop relay between them
 and the processes they start. Both run as `python -m hpctrain.tools.slurm supervise|rank` (see `__main__`).
 
-The supervisor runs as the batch shell of the job. It keeps the job's record (FOLDER/JOBID_hpctrain.jsonl) and
+The supervisor runs as the batch shell of the job. It keeps the job's record (FOLDER/JOBID_hpctrain.jsonl;
+JOBID_TASK_hpctrain.jsonl for an element of a job array, which requeues alone, as `scontrol requeue JOBID_TASK`) and
 decides what an exit means: 0 completed; 3 (every rank stopped on SIGTERM/SIGUSR2 and wrote one checkpoint
 together) is a preemption or a timeout, and the job requeues itself (`scontrol requeue`) up to `max_requeues`
 times to resume with `--resume auto`; any other code is a failure and never requeues. The rank wrapper
@@ -23,8 +24,10 @@ from typing import Any, Sequence
 from ...base.rankenv import read_env
 from ...base.stop import STOP_EXIT  # every rank stopped at a step boundary and checkpointed
 from ..launch import descendants
-from .core import parse_duration, read_record, record, run_slurm, slurm_job
+from ...base.errors import SubmissionError
+from .core import job_key, parse_duration, read_record, record, run_slurm, slurm_job
 from .render import BLOCK_STOP
+from .sweep import element_args
 
 
 class _StopRelay:
@@ -167,11 +170,13 @@ def _launchable(launcher: Sequence[str]) -> list[str]:
 
 
 def supervise(folder: Path, launcher: Sequence[str], *, max_requeues: int, signal_delay_s: int,
-              early: list[int] | None = None) -> int:
+              early: list[int] | None = None, sweep: Path | None = None) -> int:
     """Run the ranks through `launcher`, record what happened, and requeue after a checkpointed stop.
 
     Runs as the batch shell of the job (the script `exec`s it). Returns the exit code of the job step.
     `early`: the stop signals this process held before this call (see `__main__`), taken over here.
+    `sweep`: the sweep file of a job array; this element's arguments (by its array index) are appended to
+    `launcher` (see `sweep`).
     """
     early = [] if early is None else early
     # SIGUSR2 reaches the supervisor from `B:USR2@T` (mpirun) or `scancel --full/--batch`: srun and mpirun
@@ -184,6 +189,14 @@ def supervise(folder: Path, launcher: Sequence[str], *, max_requeues: int, signa
     relay.received.extend(early)  # a SIGTERM held before this line
     early.clear()
     try:
+        if sweep is not None:
+            env = read_env()
+            try:
+                launcher = [*launcher, *element_args(sweep, env.array_task_id)]
+            except SubmissionError as exc:
+                record(folder, job_key(env), "failed", restart=env.restart_count, exit_code=2, note=str(exc))
+                print(f"hpctrain: {exc}", file=sys.stderr, flush=True)
+                return 2
         return _supervise(relay, folder, launcher, max_requeues=max_requeues, signal_delay_s=signal_delay_s)
     finally:
         relay.restore()
@@ -193,7 +206,7 @@ def supervise(folder: Path, launcher: Sequence[str], *, max_requeues: int, signa
 def _supervise(relay: _StopRelay, folder: Path, launcher: Sequence[str], *, max_requeues: int,
                signal_delay_s: int) -> int:
     env = read_env()
-    job_id = env.job_id or "local"
+    job_id = job_key(env)
     folder = Path(folder)
     restart = env.restart_count
     record(folder, job_id, "start", restart=restart, node=env.node_name, pid=os.getpid())
@@ -235,15 +248,19 @@ def _supervise(relay: _StopRelay, folder: Path, launcher: Sequence[str], *, max_
         return code
     record(folder, job_id, "requeued", reason=reason, restart=restart, exit_code=code, time_left_s=left)
     print(f"hpctrain: job {job_id} stopped ({reason}) after a checkpoint; requeueing", file=sys.stderr, flush=True)
+    terms = relay.received.count(signal.SIGTERM)
     proc_rq = run_slurm(["scontrol", "requeue", job_id])
-    if proc_rq.returncode != 0:
+    # Slurm ends the allocation the moment the requeue takes, and its SIGTERM can reach scontrol (a process of
+    # the job) before scontrol exits: killed by SIGTERM or SIGKILL, it did requeue.
+    if proc_rq.returncode != 0 and -proc_rq.returncode not in (signal.SIGTERM, signal.SIGKILL):
         record(folder, job_id, "stopped", reason=reason, restart=restart, exit_code=code,
                note=f"scontrol requeue failed: {(proc_rq.stderr or proc_rq.stdout).strip()}")
         return code
-    # Slurm now ends this allocation (SIGTERM, then SIGKILL): leave on the first. Returning before that
-    # would end the job as COMPLETED instead of requeued.
+    # Slurm now ends this allocation (SIGTERM, then SIGKILL): leave on the first (returning before it would end
+    # the job as COMPLETED instead of requeued), or now if it came already.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    time.sleep(60)
+    if relay.received.count(signal.SIGTERM) == terms:
+        time.sleep(60)
     return code
 
 
@@ -272,10 +289,10 @@ def run_rank(folder: Path, argv: Sequence[str], *, early: list[int] | None = Non
               "stopping: the signal came after its last step", file=sys.stderr, flush=True)
     if code == STOP_EXIT:
         if rank == 0:
-            record(folder, env.job_id or "local", "ranks_stopped", restart=env.restart_count, exit_code=code)
+            record(folder, job_key(env), "ranks_stopped", restart=env.restart_count, exit_code=code)
         return 0
     if code:  # srun reports only the largest code (often a rank it killed); keep who failed first, and how
-        record(folder, env.job_id or "local", "rank_failed", restart=env.restart_count, rank=env.rank, exit_code=code)
+        record(folder, job_key(env), "rank_failed", restart=env.restart_count, rank=env.rank, exit_code=code)
     return code
 
 
