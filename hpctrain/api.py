@@ -24,6 +24,8 @@ checkpoints, signal-driven stops and exact resume to such a loop.
 from __future__ import annotations
 
 import contextlib
+import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,10 +33,11 @@ from typing import Any, Iterator
 from .control import checkpoint as ckpt
 from .control import rngstate
 from .comm import Comm, GradSync, world
+from .data import staging
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
 from .base.rankenv import RankEnv, read_env, select_device
-from .base.errors import ConfigError
+from .base.errors import ConfigError, HpctrainError
 from .base.stop import FLAG as STOP
 
 _CONTEXT: "Context | None" = None
@@ -165,15 +168,20 @@ class ShardLoader:
 
     Every rank gets the same number of batches per epoch (`len(loader)`); a rank with fewer samples gets a
     shorter last batch, never a duplicate. The order is a pure function of (seed, epoch, rank, world size);
-    `state_dict()` / `load_state_dict()` carry the position inside an epoch for exact resume.
+    `state_dict()` / `load_state_dict()` carry the position inside an epoch for exact resume. `stage_to` (a
+    node-local DIR, or auto) reads this rank's files from verified copies there, removed when the loader goes
+    (unless `keep_staged`), as `hpctrain train --stage-to` does; `staged` says what was copied.
     """
 
     def __init__(self, data: str | Path, *, batch_size: int, split: str = "train", shuffle: bool = True,
-                 seed: int = 0, drop_empty: bool = True):
+                 seed: int = 0, drop_empty: bool = True, stage_to: str | None = None, keep_staged: bool = False):
         ctx = init()
         self.shardset = load_manifest(data)
         if split not in self.shardset.splits:
             raise ConfigError(f"split {split!r} not in {str(data)!r}: it has {', '.join(self.shardset.splits)}")
+        self.staged = staging.Staged()
+        if stage_to is not None:
+            self.shardset, self.staged = self._stage(ctx, split, stage_to, keep_staged)
         self.reader = ShardReader(self.shardset, split, rank=ctx.rank, world=ctx.world_size, batch_size=batch_size,
                                   shuffle=shuffle, seed=seed)
         self.device = ctx.device
@@ -186,6 +194,18 @@ class ShardLoader:
 
     def __len__(self) -> int:
         return self.reader.steps_per_epoch
+
+    def _stage(self, ctx: Context, split: str, stage_to: str, keep: bool) -> tuple[Any, staging.Staged]:
+        error, plan = None, None
+        try:  # one owner per job, data and split: two loaders never remove each other's copies
+            owner = f"api:{ctx.env.job_id or os.getppid()}:{Path(self.shardset.root).resolve()}:{split}"
+            plan = staging.plan(self.shardset, stage_to, ctx.env, ctx.rank, ctx.world_size, owner=owner, splits=(split,))
+        except HpctrainError as exc:
+            error = exc
+        ctx.comm.agree(error)
+        ctx.comm.agree(staging.space_error(plan, ctx.comm))
+        return staging.stage(plan, self.shardset, ctx.comm, keep=keep,
+                             on_exit=lambda fn, *args: weakref.finalize(self, fn, *args))
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

@@ -140,6 +140,13 @@ class TrainConfig:
     """Clip the global gradient norm to this value (0: no clipping)."""
     shuffle: bool = True
     """Shuffle each rank's samples every epoch (a pure function of seed, epoch, rank and world size)."""
+    stage_to: str | None = None
+    """Copy this rank's train and val shard files into this node-local directory first (DIR, or auto:
+    $SLURM_TMPDIR, else $TMPDIR), check each copy's sha256 against the manifest, read the copies, and remove
+    them at the end; the ranks of a node copy at the same time, each its own files."""
+    keep_staged: bool = False
+    """Keep the copies made by --stage-to after the run; a later run of the same --run-dir and --data with the
+    same DIR re-uses the copies that still verify."""
     init_weights: Path | None = None
     """A state_dict (.pt) to start from instead of a fresh initialization."""
     checkpoint_every: int | str = "auto"
@@ -219,6 +226,12 @@ class TrainConfig:
             raise one_of("--grad-compression", self.grad_compression, WIRE_FORMATS)
         if not isinstance(self.keep, int) or self.keep < 2:
             raise ConfigError(f"--keep {self.keep!r} must be at least 2, so a complete checkpoint always survives")
+        if self.stage_to is not None and (not isinstance(self.stage_to, str) or not self.stage_to.strip()):
+            raise ConfigError(f"--stage-to {self.stage_to!r} must name a node-local directory (e.g. /tmp or /dev/shm) "
+                              "or be auto ($SLURM_TMPDIR, else $TMPDIR)")
+        if self.keep_staged and self.stage_to is None:
+            raise ConfigError("--keep-staged keeps the copies that --stage-to makes: add --stage-to DIR|auto, "
+                              "or drop --keep-staged")
         if not self.resume:
             raise ConfigError("--resume '' is empty: use auto, never, or a checkpoint directory")
 

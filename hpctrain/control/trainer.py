@@ -1,7 +1,8 @@
 """The control layer: one data-parallel training run, read top to bottom in `_train`.
 
 `train(cfg)` runs on however many MPI ranks started it (one with no launcher): check inputs on every rank
-and agree that they are good, build the model on rank 0 and broadcast it, find where to start (fresh, or
+and agree that they are good (with --stage-to: copy this rank's shard files to node-local disk and read
+them there), build the model on rank 0 and broadcast it, find where to start (fresh, or
 a checkpoint, maybe of another world size), then loop over epochs and steps (read this rank's batch ->
 forward -> backward with bucketed, overlapped gradient allreduce -> optimizer step), validate after every
 epoch, checkpoint by policy and on a stop signal, and write metrics.jsonl, summary.json and model.pt.
@@ -26,10 +27,11 @@ from typing import Any
 
 
 from . import checkpoint as ckpt
-from . import rngstate
+from . import resume, rngstate
 from . import runlog
 from ..comm import Comm, GradSync, world
 from ..base.config import TrainConfig
+from ..data import staging
 from ..data.reader import ShardReader, epoch_remainder
 from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import replacing, write_text
@@ -49,24 +51,6 @@ class StopRequested(HpctrainError):
 
     exit_code = STOP_EXIT
     agreed = True
-
-
-def _resolve_resume(cfg: TrainConfig, warn: Any) -> Path | None:
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        return ckpt.latest(cfg.run_dir, warn=warn)
-    path = Path(cfg.resume)
-    if not path.is_dir():
-        raise CheckpointError(f"--resume {cfg.resume!r}: no such checkpoint directory; use auto, never or a RUN/checkpoints/step-* path")
-    ckpt.verify(path)
-    return path
-
-
-def _config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    ignore = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep"}
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if k not in ignore and old.get(k) != new.get(k)]
 
 
 def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = None) -> dict[str, Any]:
@@ -125,11 +109,17 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     watchdog = stack.enter_context(Watchdog(None, comm.rank, comm.size, timeout=cfg.collective_timeout,
                                             abort=comm.abort).start())
     cancel_deadline()  # MPI is up and the watchdog watches from here
-    shardset, model, device, resume_path, warnings = _check_inputs(cfg, comm, env, watchdog)
+    shardset, model, device, resume_path, warnings, plan = _check_inputs(cfg, comm, env, watchdog)
     log = _open_run_dir(cfg, comm, env, device, watchdog, stack, warnings)
+    staged = staging.Staged()
+    if plan is not None:  # --stage-to: this rank's files copied to node-local disk, read there, removed on any exit
+        watchdog.phase("staging the shards (every rank copies its own)", 0, budget=cfg.checkpoint_timeout)
+        shardset, staged = staging.stage(plan, shardset, comm, keep=cfg.keep_staged, on_exit=stack.callback, log=log.info)
+        watchdog.idle()
     _share_initial_weights(cfg, comm, model, device, watchdog)
     start = _resume_point(cfg, comm, shardset, resume_path, watchdog)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
+    run.staged = staged
     audit_lines = _restore(run) if start.state is not None else None
     runlog.prepare(cfg, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up barrier", start.step)
@@ -175,6 +165,7 @@ class Run:
     loss_fn: Any
     total_steps: int
     audit_frozen: dict[str, int] = field(default_factory=dict)  # audit files of ranks beyond this world size
+    staged: staging.Staged = field(default_factory=staging.Staged)  # what --stage-to copied
 
 
 @dataclass(slots=True)
@@ -192,16 +183,18 @@ class Outcome:
 
 def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog) -> tuple[Any, ...]:
     """Check everything before anything is written, on every rank, and agree; then rank 0 alone finds and
-    verifies the checkpoint to resume from (checksums read every byte). (shardset, model, device, path, warnings)"""
+    verifies the checkpoint to resume from (checksums read every byte). (shardset, model, device, path, warnings, plan)"""
     import torch
 
     error: HpctrainError | None = None
-    shardset, model, resume_path, warnings = None, None, None, []
+    shardset, model, resume_path, warnings, plan = None, None, None, [], None
     device = torch.device("cpu")
     try:
         device = torch.device(select_device(env, torch.cuda.device_count() if torch.cuda.is_available() else 0))
         shardset = load_manifest(cfg.data)
         shardset.check_world(comm.size)
+        if cfg.stage_to is not None:
+            plan = staging.plan(shardset, cfg.stage_to, env, comm.rank, comm.size, owner=str(cfg.run_dir.resolve()))
         if cfg.tensorboard and comm.rank == 0:
             try:
                 import tensorboard  # noqa: F401
@@ -215,9 +208,11 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
         error = exc
     watchdog.phase("start-up checks", 0)
     comm.agree(error)
+    if plan is not None:  # --stage-to: room in DIR for what every rank of the node that stages there copies
+        comm.agree(staging.space_error(plan, comm))
     if comm.rank == 0:
         try:
-            resume_path = _resolve_resume(cfg, warnings.append)
+            resume_path = resume.resolve(cfg, warnings.append)
         except HpctrainError as exc:
             error = exc
     # the others wait for rank 0's own work (hashing every byte): the checkpoint budget; rank 0 waits for nobody
@@ -225,7 +220,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
     comm.agree(error if comm.rank == 0 else None)
     resume_path = comm.bcast(resume_path)
     watchdog.idle()
-    return shardset, model, device, resume_path, warnings
+    return shardset, model, device, resume_path, warnings, plan
 
 
 def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watchdog: Watchdog,
@@ -347,7 +342,7 @@ def _restore(run: Run) -> dict[str, int]:
     cfg, comm, start = run.cfg, run.comm, run.start
     state = start.state
     meta = state["meta"]
-    changes = _config_changes(TrainConfig.upgrade(meta.get("config", {})), cfg.to_dict())
+    changes = resume.config_changes(TrainConfig.upgrade(meta.get("config", {})), cfg.to_dict())
     planned = meta.get("schedule_steps")
     if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
         changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
@@ -481,6 +476,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "samples_per_s": out.samples / max(train_time, 1e-9) if out.samples else None, "train_time_s": train_time,
         "param_sha256": digest, "ranks_in_sync": len(set(hashes)) == 1, "resumed_from": run.start.resumed_from,
         "model": cfg.model, "data": str(cfg.data), "data_fingerprint": run.shardset.fingerprint,
+        "staged_bytes": run.staged.total_bytes, "staging_s": run.staged.max_seconds,
         "checkpoint": {"saves": m.saves, "stall_s": m.stall_seconds, "write_s": m.write_seconds,
                        "write_cpu_s": m.write_cpu_seconds,
                        "async_stall_median_s": statistics.median(m.async_stalls) if m.async_stalls else None,
