@@ -76,6 +76,7 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
     argv, env = build_command(n, command, mpirun=find_mpirun(), cpus=read_env().cpus_available,
                               is_root=os.geteuid() == 0, extra=extra, block=block_prefix())
     stops = 0
+    proc: subprocess.Popen[bytes] | None = None
     deadline: float | None = None  # when the job is ended hard
     to_forward = False  # a stop waits for mpirun to catch SIGUSR2 (its default action would kill it)
     hard = False
@@ -88,6 +89,9 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
         if stops == 1:
             to_forward = True
             deadline = time.monotonic() + grace
+            if proc is not None and catches(proc.pid, signal.SIGUSR2):  # at once: the ranks stop at the next step
+                to_forward = False
+                _send(proc.pid, signal.SIGUSR2)
         else:
             deadline = time.monotonic()
 

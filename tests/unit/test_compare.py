@@ -152,7 +152,8 @@ def test_a_real_run_running_then_stopped(digits2: Path, sweep: list[Path], tmp_p
                             env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2
+                   and len(list((run / "logs").glob("*.heartbeat"))) == 2):  # the watchdogs beat once a second
             assert proc.poll() is None, proc.communicate()[1]
             assert time.time() < deadline, "no step logged in 120 s"
             time.sleep(0.05)
