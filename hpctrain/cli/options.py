@@ -100,13 +100,19 @@ def config_values(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def take_renamed(values: dict[str, Any], renamed: dict[str, str], given: Callable[[str], bool]) -> None:
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` was typed on the command line (not a default, not from a config file)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def take_renamed(ctx: typer.Context, values: dict[str, Any], renamed: dict[str, str]) -> None:
     """Move a value given under an old flag to its new name (the new flag wins), saying so on stderr."""
     for old, new in renamed.items():
         value = values.pop(old, None)
         if value is not None:
             print(f"note: {flag(old)} is now {flag(new)}; the old spelling still works", file=sys.stderr)
-            if not given(new):
+            if not given(ctx, new):
                 values[new] = value
 
 

@@ -24,7 +24,7 @@ def shard(ctx: typer.Context, json_out: Annotated[bool, typer.Option("--json", h
     """
     from ..data.sharding import shard as write_shards
 
-    take_renamed(values, SHARD_RENAMED, lambda name: ctx.get_parameter_source(name).name == "COMMANDLINE")
+    take_renamed(ctx, values, SHARD_RENAMED)
     cfg = ShardConfig(**values)
     manifest = write_shards(cfg, show_progress=not json_out)
     if not is_rank0():

@@ -13,7 +13,7 @@ import typer
 from ..base.config import TRAIN_RENAMED, TrainConfig, read_toml
 from ..base.errors import ConfigError
 from .common import handle_errors, is_rank0
-from .options import config_parameters, take_renamed, with_signature
+from .options import config_parameters, given, take_renamed, with_signature
 
 
 def _load_toml(path: Path) -> dict[str, Any]:
@@ -31,17 +31,12 @@ def _load_toml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _given(ctx: typer.Context, name: str) -> bool:
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name == "COMMANDLINE"
-
-
 def build_config(ctx: typer.Context, values: dict[str, Any], config: Path | None) -> TrainConfig:
     """Flags win over the config file; the file wins over defaults."""
     merged = dict(values)
     if config is not None:
         for key, value in _load_toml(config).items():
-            if not _given(ctx, key):
+            if not given(ctx, key):
                 merged[key] = value
     for required in ("data", "run_dir"):
         if merged.get(required) in (None, ""):
@@ -64,7 +59,7 @@ def train(
 
     Example: hpctrain launch -n 2 -- train --data data/ --run-dir runs/a --epochs 20
     """
-    take_renamed(values, TRAIN_RENAMED, lambda name: _given(ctx, name))
+    take_renamed(ctx, values, TRAIN_RENAMED)
     cfg = build_config(ctx, values, config)
     from ..base.stop import FLAG, edge_budget
     from ..control.trainer import train as run

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..base.durable import sha256_file
 from ..base.errors import ConfigError, DataError, HpctrainError
 from ..base.rankenv import RankEnv
 from ..base.stop import FLAG, STOP_EXIT
@@ -192,14 +193,6 @@ def copy_hashed(source: Path, copy: Path, stopped: Callable[[], bool]) -> str:
                 view = view[fout.write(view):]
 
 
-def _hash_file(path: Path) -> str:
-    digest, buf = hashlib.sha256(), memoryview(bytearray(PIECE))
-    with open(path, "rb", buffering=0) as fh:
-        while n := _read_piece(fh, buf):
-            digest.update(buf[:n])
-    return digest.hexdigest()
-
-
 def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
@@ -220,7 +213,7 @@ def stage_files(plan: StagePlan, stopped: Callable[[], bool] | None = None) -> t
     for p in plan.files:
         if stopped():
             raise StagingStopped(_stopped_text(p.copy))
-        if _present(p) and _hash_file(p.copy) == p.source.sha256:
+        if _present(p) and sha256_file(p.copy) == p.source.sha256:
             continue
         p.copy.parent.mkdir(parents=True, exist_ok=True)
         part = p.copy.with_name(f".{p.copy.name}.part")
