@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from .control import checkpoint as ckpt
 from .control import rngstate
-from .comm import Comm, GradSync, world
+from .comm import Comm, GradSync, ShardedOptimizer, ZeroSync, checkpoint_entries, load_entries, world
 from .data import staging
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
@@ -90,11 +90,16 @@ class DistributedOptimizer:
     produced all of its gradients. `step()` waits for what is still in flight and steps the wrapped
     optimizer; `zero_grad()` zeroes the buckets (never set gradients to None: they are the buckets).
     `no_sync()` is for gradient accumulation: backward inside it only accumulates.
+
+    `zero=1` shards the optimizer state over the ranks (each rank steps only the parameter slices it owns,
+    then the parameters are allgathered); `zero=2` also shards the gradients (reduce-scattered, each bucket's
+    full gradient freed once sent). Only elementwise torch optimizers (SGD, Adam, AdamW, ...) can be
+    sharded; `clip_grad_norm_()` clips the global norm; `state_dict()` gathers the whole state (collective).
     """
 
     def __init__(self, optimizer: Any, model: Any, *, bucket_mb: float = 25.0, overlap: bool | None = None,
                  compress: str = "none", hierarchical: bool = False, deterministic: bool = False,
-                 loader: "ShardLoader | None" = None):
+                 loader: "ShardLoader | None" = None, zero: int = 0, zero_reduce: str = "auto"):
         from .control.step import auto_overlap
 
         ctx = init()
@@ -102,14 +107,23 @@ class DistributedOptimizer:
         self.loader = loader
         if overlap is None:
             overlap = auto_overlap(ctx.env, ctx.device.type if hasattr(ctx.device, "type") else "cpu")
-        self.sync = GradSync(model.parameters(), ctx.comm, bucket_mb=bucket_mb, overlap=overlap,
-                             compress=compress, hierarchical=hierarchical, deterministic=deterministic)
+        if zero not in (0, 1, 2):
+            raise ConfigError(f"zero={zero!r} must be 0 (no sharding), 1 (optimizer state) or 2 (also gradients)")
+        if zero:
+            self.sync: GradSync = ZeroSync(model.parameters(), ctx.comm, stage=zero, bucket_mb=bucket_mb, overlap=overlap,
+                                           compress=compress, deterministic=deterministic, hierarchical=hierarchical,
+                                           reduce=zero_reduce)
+            self.optimizer = ShardedOptimizer(optimizer, self.sync)
+        else:
+            self.sync = GradSync(model.parameters(), ctx.comm, bucket_mb=bucket_mb, overlap=overlap,
+                                 compress=compress, hierarchical=hierarchical, deterministic=deterministic)
+        self.model = model
         self.world_size = ctx.world_size
         self._loss_scaled = False
         # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs
         # to has been handed out, whether zero_grad() ran before backward or after the previous step().
         self.sync.scale_fn = self._scales
-        self.param_groups = optimizer.param_groups
+        self.param_groups = self.optimizer.param_groups
 
     def _weight(self) -> float:
         """This rank's share of the step's mean: 1 / world size, or its share of the samples of the batch
@@ -145,6 +159,16 @@ class DistributedOptimizer:
         """Finish the allreduce now (e.g. to clip gradients before `step()`)."""
         self.sync.wait()
         self._synced = True
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Finish the gradient sync and clip the global gradient norm to `max_norm`; returns the norm."""
+        import torch
+
+        if not getattr(self, "_synced", False):
+            self.synchronize()
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.clip_grad_norm_(max_norm)
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def step(self, closure: Any = None) -> Any:
         if not getattr(self, "_synced", False):
@@ -261,7 +285,8 @@ class Checkpointer:
 
     def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None) -> dict[str, Any]:
         opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-        return dict(model_state=model.state_dict(), train_state={"optimizer": opt.state_dict()},
+        opt_state, shard = checkpoint_entries(opt)  # sharded (zero=1/2): the layout, and this rank's slices
+        return dict(model_state=model.state_dict(), train_state={"optimizer": opt_state}, shard_state=shard,
                     rank_state={"rng": rngstate.capture(), "loader": loader.state_dict() if loader else None},
                     meta={"world_size": init().world_size, "api": True})
 
@@ -275,7 +300,7 @@ class Checkpointer:
         state = ckpt.load_broadcast(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
         model.load_state_dict(state["model"])
         opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-        opt.load_state_dict(state["train"]["optimizer"])
+        load_entries(opt, state["train"]["optimizer"], [r.get("zero_shard") for r in state["ranks"]])
         mine = state["ranks"][ctx.rank] if state["meta"]["world_size"] == ctx.world_size else None
         if mine is not None:
             rngstate.restore(mine["rng"])

@@ -17,6 +17,8 @@ HDF5_COMPRESSIONS = ("none", "lzf", "gzip")
 NORMALIZATIONS = ("none", "standard", "minmax")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
+ZERO_STAGES = (0, 1, 2)
+ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce")
 WIRE_FORMATS = ("none", "fp16", "bf16")
 # fields renamed so that each name says one thing: {old spelling: new field}. The old flag and the old TOML key
 # still work (with a note); a checkpoint's config written under the old name compares equal.
@@ -171,6 +173,13 @@ class TrainConfig:
     """Reduce within each node first, allreduce between node leaders, broadcast within the node."""
     deterministic: bool = False
     """Sum gradients in rank order, the same bits in every run whatever MPI's algorithm (costs bandwidth)."""
+    zero: int = 0
+    """Shard training state across ranks (ZeRO): 0 none; 1 optimizer state (each rank steps only the slices
+    it owns, then parameters are allgathered); 2 also gradients (reduce-scattered, full buckets freed once
+    sent). sgd, adam and adamw all work; checkpoints resume on any world size and stage."""
+    zero_reduce: str = "auto"
+    """How --zero 1/2 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
+    allreduce (each rank keeps its slice), or auto (time each at start-up, keep the fastest)."""
     audit_samples: bool = False
     """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
     collective_timeout: float = 300.0
@@ -224,6 +233,13 @@ class TrainConfig:
             raise one_of("schedule", self.schedule, SCHEDULES)
         if self.grad_compression not in WIRE_FORMATS:
             raise one_of("--grad-compression", self.grad_compression, WIRE_FORMATS)
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ConfigError(f"--zero {self.zero!r} must be 0 (no sharding), 1 (optimizer state) or 2 (also gradients)")
+        if self.zero_reduce not in ZERO_REDUCERS:
+            raise one_of("--zero-reduce", self.zero_reduce, ZERO_REDUCERS)
+        if self.zero and self.hierarchical:
+            raise ConfigError(f"--zero {self.zero} does not combine with --hierarchical (ZeRO reduce-scatters over "
+                              "all ranks at once): drop one of them")
         if not isinstance(self.keep, int) or self.keep < 2:
             raise ConfigError(f"--keep {self.keep!r} must be at least 2, so a complete checkpoint always survives")
         if self.stage_to is not None and (not isinstance(self.stage_to, str) or not self.stage_to.strip()):

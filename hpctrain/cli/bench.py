@@ -77,12 +77,20 @@ def train(
     grad_compression: Annotated[str, typer.Option(help="Wire format of the gradients: none, fp16 or bf16.")] = "none",
     compress: Annotated[Optional[str], typer.Option(hidden=True, help="Old spelling of --grad-compression.")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per local rank; DDP baseline skipped).")] = "cpu",
+    zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1 or 2: timed beside stage 0 instead of DDP).")] = 0,
+    optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw; lr 0.01.")] = "sgd",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Training step time of hpctrain beside torch DDP (gloo), one-rank scaling, and sync vs raw allreduce.
+    """Training step time of hpctrain beside torch DDP (gloo), one-rank scaling, sync vs raw allreduce, and
+    the memory per rank (parameters, gradients, optimizer state, peak RSS).
+
+    With --zero 1|2 the step runs sharded and is timed beside stage 0; compare the memory of two runs, one
+    per stage, with benchmarks/zero_memory.py.
 
     Example: hpctrain bench train -n 2 --baseline ddp --json
+
+    Example: hpctrain bench train -n 4 --zero 2 --optimizer adam --model mlp:8192,8192 --steps 3 --rounds 1
     """
     if compress is not None:
         print("note: --compress is now --grad-compression; the old spelling still works", file=sys.stderr)
@@ -93,7 +101,7 @@ def train(
 
     result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
                          rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=grad_compression,
-                         device=device)
+                         device=device, zero=zero, optimizer=optimizer)
     if not is_rank0():
         return
     if json_out:
@@ -103,6 +111,13 @@ def train(
     print(f"{result['model']} ({result['parameters']:,} parameters), batch {result['batch_size']}/rank, "
           f"{result['world_size']} ranks, {result['torch_threads']} torch thread(s) per rank")
     print(f"  hpctrain step      {hp['step_ms']:8.2f} ms  {hp['samples_per_s']:9.0f} samples/s  (exposed comm {hp['comm_ms']:.2f} ms)")
+    mem = result["memory"]
+    print(f"  memory per rank    params {mem['params_mib']:.1f} MiB, grads {mem['grads_mib']:.1f} MiB, optimizer "
+          f"{mem['optimizer_mib']:.1f} MiB, peak RSS {mem['peak_rss_mib']:.0f} MiB (zero stage {result['zero']})")
+    if "stage0" in result:
+        print(f"  stage 0 step       {result['stage0']['step_ms']:8.2f} ms  (stage {result['zero']} / stage 0: "
+              f"{result['step_over_stage0']:.2f}x; gradients summed by {result['zero_reduce']})")
+        return
     if "ddp" in result:
         print(f"  DDP (gloo) step    {result['ddp']['step_ms']:8.2f} ms  {result['ddp']['samples_per_s']:9.0f} samples/s")
         print(f"  DDP / hpctrain     {result['ddp_over_hpctrain']:8.2f}x")

@@ -52,7 +52,7 @@ def assign_buckets(ordered: list[Any], bucket_mb: float) -> list[list[Any]]:
     return groups
 
 
-class _Bucket:
+class Bucket:
     """A flat buffer holding the gradients of a run of parameters, in backward order."""
 
     __slots__ = ("index", "flat", "params", "ready", "host", "wire", "done")
@@ -67,7 +67,7 @@ class _Bucket:
         self.done = threading.Event()
 
 
-def _flat_bucket(index: int, group: list[Any], dtype: Any, device: Any) -> _Bucket:
+def flat_bucket(index: int, group: list[Any], dtype: Any, device: Any) -> Bucket:
     """A zeroed flat buffer for `group` whose slices become the parameters' `.grad` (a gradient they already
     have is copied in)."""
     import torch
@@ -81,7 +81,7 @@ def _flat_bucket(index: int, group: list[Any], dtype: Any, device: Any) -> _Buck
             view.copy_(p.grad)
         p.grad = view
         offset += n
-    return _Bucket(index, flat, group)
+    return Bucket(index, flat, group)
 
 
 def _node_groups(comm: Comm, node_key: int | None) -> tuple[Comm, Comm | None]:
@@ -109,6 +109,8 @@ class GradSync:
     global sample count of the step), and calls `zero()` instead of `optimizer.zero_grad()`.
     """
 
+    EAGER = False  # reduce each bucket inline as soon as it is full even without overlap (see __init__)
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -128,13 +130,16 @@ class GradSync:
         self.comm = comm
         self.compress = compress
         self.overlap = overlap and comm.size > 1
+        # eager: without overlap, still reduce each bucket as soon as backward has filled it, inline in the
+        # backward (a subclass that frees gradient memory per bucket wants this; the allreduce does not)
+        self.eager = self.EAGER and comm.size > 1
         self.enabled = True
         ordered = trainable_in_backward_order(params)
         self.dtype = ordered[0].dtype
         self.device = ordered[0].device
-        self.buckets: list[_Bucket] = [_flat_bucket(i, group, self.dtype, self.device)
+        self.buckets: list[Bucket] = [self._make_bucket(i, group)
                                        for i, group in enumerate(assign_buckets(ordered, bucket_mb))]
-        self._bucket_of: dict[int, _Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.deterministic = deterministic and comm.size > 1
         self.notes: list[str] = []
         self._local: Comm | None = None
@@ -142,13 +147,13 @@ class GradSync:
         if hierarchical and comm.size > 1:
             self._local, self._leaders = _node_groups(comm, node_key)
         self._staging = self.device.type == "cuda" and not self._cuda_aware_confirmed()
-        self._queue: queue.Queue[_Bucket | None] = queue.Queue()
+        self._queue: queue.Queue[Bucket | None] = queue.Queue()
         self._error: BaseException | None = None
         self._launched = 0
         self._lock = threading.Lock()
         self._hooks = []
         self._thread: threading.Thread | None = None
-        if self.overlap:
+        if self.overlap or self.eager:
             self._start_overlap(ordered)
         self.comm_seconds = 0.0
         # Scale each rank's gradient before the sum (e.g. its share of an uneven global batch) and the sum
@@ -204,19 +209,22 @@ class GradSync:
                         if self._thread is None or not self._thread.is_alive():
                             raise CommError("the communication thread is gone; this is a bug, please report it")
             else:
-                for bucket in self.buckets:
-                    self._reduce_guarded(bucket)
+                while self._launched < len(self.buckets):  # those the backward did not reduce eagerly
+                    self._launched += 1
+                    self._reduce_guarded(self.buckets[self._launched - 1])
             self._end_round()
             if self._error is not None:
                 error, self._error = self._error, None
                 raise CommError(f"gradient allreduce failed on rank {self.comm.rank}: {error!r}") from error
         else:
             self._begin_round()
-            if self.prescale * self.postscale != 1.0:
-                for bucket in self.buckets:
-                    bucket.flat.mul_(self.prescale * self.postscale)
+            self._local_round()
             self._end_round()
         self.comm_seconds = time.perf_counter() - start
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient memory this sync holds (its flat buckets)."""
+        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets if b.flat is not None)
 
     def close(self) -> None:
         """Stop the communication thread and remove the hooks."""
@@ -229,12 +237,22 @@ class GradSync:
             self._thread = None
 
     # -- internals ---------------------------------------------------------------------------------
+    def _make_bucket(self, index: int, group: list[Any]) -> Bucket:
+        return flat_bucket(index, group, self.dtype, self.device)
+
+    def _local_round(self) -> None:
+        """A world of one: only the scaling is left to do."""
+        if self.prescale * self.postscale != 1.0:
+            for bucket in self.buckets:
+                bucket.flat.mul_(self.prescale * self.postscale)
+
     def _start_overlap(self, ordered: list[Any]) -> None:
-        """Hook every parameter's gradient-ready event and start the communication thread."""
+        """Hook every parameter's gradient-ready event and (with overlap) start the communication thread."""
         for p in ordered:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
-        self._thread.start()
+        if self.overlap:
+            self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
+            self._thread.start()
 
     def _begin_round(self) -> None:
         """The first gradient of a step is ready (or wait() came first): fix this round's scaling now, when
@@ -270,8 +288,11 @@ class GradSync:
                 nxt = self.buckets[self._launched]
                 if len(nxt.ready) < len(nxt.params):
                     break
-                self._queue.put(nxt)
                 self._launched += 1
+                if self._thread is not None:
+                    self._queue.put(nxt)
+                else:  # eager, inline: this thread runs backward and waits for the bucket's collective
+                    self._reduce_guarded(nxt)
 
     def _run(self) -> None:
         if self.device.type == "cuda":
@@ -287,12 +308,12 @@ class GradSync:
             finally:
                 bucket.done.set()
 
-    def _reduce_guarded(self, bucket: _Bucket) -> None:
+    def _reduce_guarded(self, bucket: Bucket) -> None:
         """Reduce `bucket`, keeping the first error for wait() to raise. After an error the remaining
         buckets are still reduced: every other rank enters their collectives, and a rank that skipped them
         would leave the others waiting forever."""
         try:
-            self._allreduce(bucket)
+            self._reduce(bucket)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() in the caller's thread
             if self._error is None:
                 self._error = exc
@@ -317,7 +338,7 @@ class GradSync:
             self.notes.append("CUDA-aware allreduce gave a wrong sum at start-up: staging through the host")
         return ok
 
-    def _allreduce(self, bucket: _Bucket) -> None:
+    def _reduce(self, bucket: Bucket) -> None:
         import torch
 
         MPI = load_mpi()
@@ -334,7 +355,7 @@ class GradSync:
         else:
             self._reduce_host(flat, bucket, MPI)
 
-    def _reduce_host(self, flat: Any, bucket: _Bucket, MPI: Any) -> None:
+    def _reduce_host(self, flat: Any, bucket: Bucket, MPI: Any) -> None:
         if self.compress == "none":
             if self.prescale != 1.0:
                 flat.mul_(self.prescale)

@@ -2,10 +2,12 @@
 entry points. The file format is in `ckptformat`, the background writing in `ckptwriter`.
 
 A checkpoint is a directory `RUN/checkpoints/step-NNNNNNN/` holding
-    part-RRRRR.bin  the tensors of the model and optimizer state, split over the ranks that wrote them
+    part-RRRRR.bin  the tensors of the model and optimizer state, split over the ranks that wrote them, and
+                    each rank's own tensors (the slices a sharded optimizer, --zero 1/2, owns)
     state.pt        the model's state_dict (the user's own keys) and the train state (optimizer, LR schedule,
                     counters), each tensor replaced by a reference into a part file
-    ranks.pt        per-rank state gathered from every rank (RNG states, data cursor, audit position)
+    ranks.pt        per-rank state gathered from every rank (RNG states, data cursor, audit position, and
+                    the references to its own tensors)
     meta.json       step, epoch, world size, resolved config, data fingerprint, sha256 of every file above
     COMPLETE        the completion marker, written last
 
@@ -103,8 +105,8 @@ def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
         tensors.update(read_part(path / part_name(r)))
     with open(path / STATE, "rb") as fh:
         tree = join_tensors(torch.load(fh, map_location="cpu", weights_only=True), tensors, str(path))
-    with open(path / RANKS, "rb") as fh:
-        ranks = torch.load(fh, map_location="cpu", weights_only=True)
+    with open(path / RANKS, "rb") as fh:  # a rank's own tensors (a sharded optimizer's) are in its part file
+        ranks = join_tensors(torch.load(fh, map_location="cpu", weights_only=True), tensors, str(path))
     return {"meta": meta, "model": tree["model"], "train": tree["train"], "ranks": ranks}
 
 
@@ -208,7 +210,7 @@ class CheckpointManager:
         return bool(stopping)
 
     def _save(self, step: int, *, model_state: dict, train_state: dict, rank_state: dict, meta: dict,
-              wait: bool = False) -> None:
+              shard_state: dict | None = None, wait: bool = False) -> None:
         if step == self.last_saved:
             if wait:
                 self.wait()
@@ -220,11 +222,14 @@ class CheckpointManager:
         self._writer.join()
         skeleton, tensors = split_tensors({"model": model_state, "train": train_state})
         owner = assign_writers(tensors, self.comm.size)
+        mine = {i: t for i, t in enumerate(tensors) if owner[i] == self.comm.rank}
+        if shard_state is not None:  # this rank's own state (a sharded optimizer's slices): in its own part
+            rank_state, own = self._own_tensors(rank_state, shard_state, first=len(tensors))
+            mine.update(own)
         ranks = self.comm.gather({"state": to_host(rank_state), "layout": layout_digest(tensors)}, root=0)
         job: dict[str, Any] = {
             "step": step, "tmp": self.root / f".tmp-{step_dir_name(step)}-{self._token}",
-            "final": self.root / step_dir_name(step),
-            "parts": self._writer.staging.snapshot({i: t for i, t in enumerate(tensors) if owner[i] == self.comm.rank})}
+            "final": self.root / step_dir_name(step), "parts": self._writer.staging.snapshot(mine)}
         if self.comm.rank == 0:
             job.update(skeleton=skeleton, ranks=ranks, meta=dict(meta, step=step, parts=self.comm.size))
         self._writer.start(job)
@@ -240,6 +245,15 @@ class CheckpointManager:
             self.async_stalls.append(stall)
         if wait:
             self.wait()
+
+    def _own_tensors(self, rank_state: dict, shard_state: dict, *, first: int) -> tuple[dict, dict[int, Any]]:
+        """Number this rank's own tensors after the shared ones and every lower rank's own ones (collective),
+        and put their references into its rank state under `zero_shard`: (rank state, {id: tensor})."""
+        _, own = split_tensors(shard_state)
+        counts = self.comm.allgather(len(own))
+        first += sum(counts[:self.comm.rank])
+        refs, own = split_tensors(shard_state, first)
+        return {**rank_state, "zero_shard": refs}, {first + i: t for i, t in enumerate(own)}
 
     def wait(self) -> None:
         """Block until the last save is on disk (collective), raising its error if it failed (on every rank)."""

@@ -7,9 +7,10 @@ Model and optimizer state are equal on every rank (data parallel), so each tenso
 rank: the tensors are dealt to the ranks largest first, each to the rank with the fewest bytes so far (as
 torch.distributed.checkpoint deduplicates replicated tensors). W ranks write about 1/W of the bytes each,
 in parallel: on a parallel filesystem the write bandwidth grows with the nodes, and the CPU a save takes
-from training is shared instead of landing on rank 0. A part file is raw tensor bytes behind a JSON header
-(no pickle); the small trees go through torch.save and load with weights_only=True. Every file is hashed
-while it is written (no second pass over the bytes) and fsynced.
+from training is shared instead of landing on rank 0. State that differs between ranks (the slices of a
+sharded optimizer) is written by the rank that holds it, numbered after the shared tensors. A part file is
+raw tensor bytes behind a JSON header (no pickle); the small trees go through torch.save and load with
+weights_only=True. Every file is hashed while it is written (no second pass over the bytes) and fsynced.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-def split_tensors(tree: Any) -> tuple[Any, list[Any]]:
-    """(the tree with each tensor replaced by a numbered reference, the tensors in that order)."""
+def split_tensors(tree: Any, first: int = 0) -> tuple[Any, list[Any]]:
+    """(the tree with each tensor replaced by a numbered reference, from `first` on, the tensors in that order)."""
     import torch
 
     tensors: list[Any] = []
@@ -65,7 +66,7 @@ def split_tensors(tree: Any) -> tuple[Any, list[Any]]:
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             tensors.append(obj)
-            return {_REF: len(tensors) - 1}
+            return {_REF: first + len(tensors) - 1}
         if isinstance(obj, dict):
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):

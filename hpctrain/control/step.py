@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Comm, GradSync
+from ..comm import Comm, GradSync, ShardedOptimizer, ZeroSync
 from ..base.config import TrainConfig
 from ..data.reader import ShardReader
 from ..base.rankenv import RankEnv
@@ -72,7 +72,11 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     sync.enabled = True
     sync.wait()
     if clip_grad:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        clip = getattr(optimizer, "clip_grad_norm_", None)  # a sharded optimizer clips its slices
+        if clip is not None:
+            clip(clip_grad)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
     return loss_value
 
@@ -93,6 +97,19 @@ def make_optimizer(cfg: TrainConfig, params: Any) -> Any:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def make_sync(cfg: TrainConfig, model: Any, comm: Comm, overlap: bool) -> tuple[GradSync, Any]:
+    """The gradient sync and the optimizer of a run: an allreduce and a plain optimizer, or with --zero 1/2 a
+    reduce-scatter and an optimizer that steps only this rank's slices (parameters become bucket views)."""
+    optimizer = make_optimizer(cfg, model.parameters())
+    if cfg.zero:
+        sync = ZeroSync(model.parameters(), comm, stage=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=overlap,
+                        compress=cfg.grad_compression, deterministic=cfg.deterministic, reduce=cfg.zero_reduce)
+        return sync, ShardedOptimizer(optimizer, sync)
+    sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.grad_compression,
+                    hierarchical=cfg.hierarchical, deterministic=cfg.deterministic)
+    return sync, optimizer
 
 
 def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,

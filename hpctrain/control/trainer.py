@@ -29,7 +29,7 @@ from typing import Any
 from . import checkpoint as ckpt
 from . import resume, rngstate
 from . import runlog
-from ..comm import Comm, GradSync, world
+from ..comm import Comm, GradSync, checkpoint_entries, load_entries, world
 from ..base.config import TrainConfig
 from ..data import staging
 from ..data.reader import ShardReader, epoch_remainder
@@ -41,7 +41,7 @@ from ..compute.models import build_model
 from .runlog import RunLog
 from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
-from .step import auto_overlap, evaluate, lr_factor, make_optimizer, param_sha256, train_step
+from .step import auto_overlap, evaluate, lr_factor, make_sync, param_sha256, train_step
 from .watchdog import Watchdog
 
 
@@ -317,16 +317,17 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
                         + (cfg.epochs - start.epoch - 1) * reader.steps_per_epoch)
     if cfg.max_steps:
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
-    optimizer = make_optimizer(cfg, model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg.schedule, total_steps))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
-    sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.grad_compression,
-                    hierarchical=cfg.hierarchical, deterministic=cfg.deterministic)
+    watchdog.phase("start-up: gradient sync (ZeRO times its collectives here)", start.step)
+    sync, optimizer = make_sync(cfg, model, comm, overlap)
     stack.callback(sync.close)
+    watchdog.idle()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(getattr(optimizer, "inner", optimizer),
+                                                  lr_factor(cfg.schedule, total_steps))
     for note in sync.notes:
         log.warning(note)
-    log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s", len(sync.buckets), cfg.bucket_mb,
-             sync.overlap, cfg.grad_compression)
+    log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s, zero stage %d", len(sync.buckets),
+             cfg.bucket_mb, sync.overlap, cfg.grad_compression, cfg.zero)
     watchdog.phase("start-up: checkpoint manager", start.step)
     manager = ckpt.CheckpointManager(
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
@@ -354,7 +355,7 @@ def _restore(run: Run) -> dict[str, int]:
             print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
     run.model.load_state_dict(state["model"])
     run.model.to(run.device)
-    run.optimizer.load_state_dict(state["train"]["optimizer"])
+    load_entries(run.optimizer, state["train"]["optimizer"], [r.get("zero_shard") for r in state["ranks"]])
     run.scheduler.load_state_dict(state["train"]["scheduler"])
     if meta["world_size"] == comm.size:
         rngstate.restore(state["ranks"][comm.rank]["rng"])
@@ -436,9 +437,10 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
 
 def _state(run: Run, sink: RunLog, epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
     """What a checkpoint at this step boundary holds (called only when one is written)."""
+    optimizer, shard = checkpoint_entries(run.optimizer)  # a sharded optimizer: the layout, and this rank's slices
     return dict(
-        model_state=run.model.state_dict(),
-        train_state={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()},
+        model_state=run.model.state_dict(), shard_state=shard,
+        train_state={"optimizer": optimizer, "scheduler": run.scheduler.state_dict()},
         rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
         meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
               "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,

@@ -86,8 +86,10 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
 def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int = 784, classes: int = 10,
                 batch_size: int = 64, steps: int = 30, rounds: int = 3, bucket_mb: float = 25.0,
                 baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none",
-                device: str = "cpu") -> dict[str, Any]:
-    """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling."""
+                device: str = "cpu", zero: int = 0, optimizer: str = "sgd") -> dict[str, Any]:
+    """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling, and the
+    memory each rank holds. With `zero` 1 or 2 the step runs at that ZeRO stage and is timed beside stage 0
+    (built after the memory of the sharded step has been read, so that the peak RSS is the sharded run's)."""
     import torch
 
     from ..compute.models import build_model
@@ -105,46 +107,106 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
 
     # hpctrain: the exact step `hpctrain train` runs
     device, overlap = _device_and_overlap(env, device, overlap)
-    model = fresh_model().to(device)
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    sync = GradSync(model.parameters(), comm, bucket_mb=bucket_mb, overlap=overlap, compress=compress)
     global_n = batch_size * comm.size
     comm_times: list[float] = []
 
-    def hp_step() -> None:
-        x, y = next(batches)
-        train_step(model, sync, opt, loss_fn, x, y, global_n, device=device)
-        comm_times.append(sync.comm_seconds)
+    def stepper(stage: int, times: list[float] | None = None) -> tuple[Callable[[], None], Any, Any, Any]:
+        model = fresh_model().to(device)
+        sync, opt = _sync_and_optimizer(model, comm, stage, optimizer, bucket_mb=bucket_mb, overlap=overlap,
+                                        compress=compress)
 
-    ddp_step = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
-    hp_times, ddp_times = _timed_rounds(comm, hp_step, ddp_step, steps, rounds, warmed=comm_times.clear)
+        def step() -> None:
+            x, y = next(batches)
+            train_step(model, sync, opt, loss_fn, x, y, global_n, device=device)
+            if times is not None:
+                times.append(sync.comm_seconds)
+
+        return step, model, sync, opt
+
+    hp_step, model, sync, opt = stepper(zero, comm_times)
+    params = sum(p.numel() for p in model.parameters())
+    for _ in range(2):
+        hp_step()  # the optimizer state exists from the first step on
+    memory = _memory(comm, model, sync, opt)
+    other = None
+    if zero:
+        other, _, stage0_sync, _ = stepper(0)
+    else:
+        other = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
+    hp_times, other_times = _timed_rounds(comm, hp_step, other, steps, rounds, warmed=comm_times.clear)
     hp_ms = statistics.median(hp_times) * 1e3
     result: dict[str, Any] = {
         "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
         "torch_threads": torch.get_num_threads(), "device": str(device), "staging": sync.staging,
-        "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress,
+        "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress, "zero": zero, "optimizer": optimizer,
+        "memory": memory,
         "hpctrain": {"step_ms": hp_ms, "samples_per_s": global_n / hp_ms * 1e3,
                      "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
     }
-    if ddp_step:
-        ddp_ms = statistics.median(ddp_times) * 1e3
+    if zero:
+        stage0_ms = statistics.median(other_times) * 1e3
+        result["stage0"] = {"step_ms": stage0_ms, "samples_per_s": global_n / stage0_ms * 1e3}
+        result["step_over_stage0"] = hp_ms / stage0_ms
+        result["zero_reduce"], result["zero_reduce_probe"] = sync.reduce, sync.probe
+        stage0_sync.close()
+        sync.close()
+        return result
+    if other:
+        ddp_ms = statistics.median(other_times) * 1e3
         result["ddp"] = {"step_ms": ddp_ms, "samples_per_s": global_n / ddp_ms * 1e3}
         result["ddp_over_hpctrain"] = ddp_ms / hp_ms
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    result.update(_scaling(comm, model, sync, opt, loss_fn, xs, ys, params, device, bucket_mb=bucket_mb, steps=steps,
+                           rounds=rounds, global_n=global_n, hp_ms=hp_ms))
+    return result
+
+
+def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs: list[Any], ys: list[Any],
+             params: int, device: Any, *, bucket_mb: float, steps: int, rounds: int, global_n: int,
+             hp_ms: float) -> dict[str, Any]:
+    """The sync of all gradients beside one raw allreduce, and the step of one rank alone (closes `sync`)."""
+    from ..control.step import train_step
+
+    out: dict[str, Any] = {}
     if comm.size > 1:
-        result.update(_sync_beside_raw(comm, sync, params))
+        out.update(_sync_beside_raw(comm, sync, params))
     sync.close()
 
     def solo_step(solo: GradSync) -> None:
-        train_step(model, solo, opt, loss_fn, xs[0], ys[0], batch_size, device=device)
+        train_step(model, solo, opt, loss_fn, xs[0], ys[0], len(ys[0]), device=device)
 
     one_ms = _one_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps, rounds=rounds)
-    result["single_rank_step_ms"] = one_ms
-    result["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * batch_size / one_ms)
-    return result
+    out["single_rank_step_ms"] = one_ms
+    out["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * len(ys[0]) / one_ms)
+    return out
+
+
+def _sync_and_optimizer(model: Any, comm: Comm, zero: int, optimizer: str, **sync_args: Any) -> tuple[Any, Any]:
+    """The gradient sync and optimizer `hpctrain train` builds for `--zero`, `--optimizer` (lr 0.01)."""
+    from ..base.config import TrainConfig
+    from ..control.step import make_sync
+
+    cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer, lr=0.01, zero=zero,
+                      bucket_mb=sync_args["bucket_mb"], grad_compression=sync_args["compress"])
+    return make_sync(cfg, model, comm, sync_args["overlap"])
+
+
+def _memory(comm: Comm, model: Any, sync: Any, opt: Any) -> dict[str, float]:
+    """MiB this rank holds in parameters, gradients and optimizer state between two steps, and the peak
+    RSS of the process so far; each the largest over the ranks."""
+    import resource
+
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    if hasattr(opt, "state_bytes"):
+        state = opt.state_bytes()
+    else:
+        state = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if hasattr(v, "numel"))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    values = comm.allreduce_array([params, sync.grad_bytes(), state, peak], op="max") / 2**20
+    return {"params_mib": float(values[0]), "grads_mib": float(values[1]), "optimizer_mib": float(values[2]),
+            "grads_and_optimizer_mib": float(values[1] + values[2]), "peak_rss_mib": float(values[3])}
 
 
 def _random_batches(rank: int, batch_size: int, input_dim: int, classes: int) -> tuple[list[Any], list[Any]]:
