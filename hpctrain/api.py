@@ -286,7 +286,9 @@ class Checkpointer:
     def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None) -> dict[str, Any]:
         opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         opt_state, shard = checkpoint_entries(opt)  # sharded (zero=1/2): the layout, and this rank's slices
-        return dict(model_state=model.state_dict(), train_state={"optimizer": opt_state}, shard_state=shard,
+        compressor = optimizer.sync.compressor_state() if isinstance(optimizer, DistributedOptimizer) else None
+        own = None if shard is None and compressor is None else {"optimizer": shard, "compress": compressor}
+        return dict(model_state=model.state_dict(), train_state={"optimizer": opt_state}, shard_state=own,
                     rank_state={"rng": rngstate.capture(), "loader": loader.state_dict() if loader else None},
                     meta={"world_size": init().world_size, "api": True})
 
@@ -300,7 +302,11 @@ class Checkpointer:
         state = ckpt.load_broadcast(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
         model.load_state_dict(state["model"])
         opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-        load_entries(opt, state["train"]["optimizer"], [r.get("zero_shard") for r in state["ranks"]])
+        owns = [r.get("own") or {} for r in state["ranks"]]
+        load_entries(opt, state["train"]["optimizer"], [own.get("optimizer") for own in owns])
+        if isinstance(optimizer, DistributedOptimizer) and state["meta"]["world_size"] == ctx.world_size:
+            if owns[ctx.rank].get("compress") is not None:
+                optimizer.sync.load_compressor_state(owns[ctx.rank]["compress"])
         mine = state["ranks"][ctx.rank] if state["meta"]["world_size"] == ctx.world_size else None
         if mine is not None:
             rngstate.restore(mine["rng"])

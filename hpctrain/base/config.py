@@ -17,8 +17,29 @@ HDF5_COMPRESSIONS = ("none", "lzf", "gzip")
 NORMALIZATIONS = ("none", "standard", "minmax")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
+PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2)
 ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce")
+def parse_grad_compression(spec: str) -> tuple[str, float]:
+    """(kind, parameter) of a --grad-compression value: none, fp16, bf16, powersgd[:RANK], topk[:FRACTION]."""
+    kind, _, arg = str(spec).partition(":")
+    if kind in ("none", "fp16", "bf16") and not arg:
+        return kind, 0.0
+    try:
+        if kind == "powersgd":
+            rank = int(arg) if arg else 4
+            if rank >= 1:
+                return kind, float(rank)
+        elif kind == "topk":
+            fraction = float(arg) if arg else 0.01
+            if 0 < fraction <= 1:
+                return kind, fraction
+    except ValueError:
+        pass
+    raise ConfigError(f"--grad-compression {spec!r}: choose none, fp16, bf16, powersgd[:RANK] (a whole number, e.g. "
+                      "powersgd:4) or topk[:FRACTION] (in (0, 1], e.g. topk:0.01)")
+
+
 WIRE_FORMATS = ("none", "fp16", "bf16")
 # fields renamed so that each name says one thing: {old spelling: new field}. The old flag and the old TOML key
 # still work (with a note); a checkpoint's config written under the old name compares equal.
@@ -58,7 +79,8 @@ class ShardConfig:
 
     source: str
     """The SOURCE: digits, synthetic:N[:D[:C]], FILE.npz, FILE.h5/.hdf5, FILE.csv, imagefolder:DIR, mnist:DIR,
-    cifar10:DIR or FILE.parquet."""
+    cifar10:DIR or FILE.parquet; text for language models: text:PATH (a file or a directory of them),
+    FILE.jsonl or parquet:PATH (a text column), tokenized and packed into rows of --seq-len + 1 tokens."""
     out: Path
     """The output directory (created; must not exist unless `force`)."""
     shards: int = 8
@@ -87,6 +109,18 @@ class ShardConfig:
     alone, each write their share of the shard files."""
     label_column: str | None = None
     """FILE.parquet: the label column (default: the last column)."""
+    tokenizer: str = "bytes"
+    """Text: bytes (ids 0..255 are the UTF-8 bytes, 256 ends a document) or a Hugging Face tokenizer.json
+    (needs `pip install tokenizers`), stored beside the shards."""
+    train_tokenizer: int = 0
+    """Text: first train a byte-level BPE tokenizer with this many ids on the training documents (needs
+    tokenizers), stored as OUT/tokenizer.json; 0: use --tokenizer."""
+    seq_len: int = 1024
+    """Text: tokens a model reads per row (each row stores seq_len + 1: the targets are shifted by one)."""
+    text_field: str = "text"
+    """Text: the JSONL field or Parquet column that holds each document's text."""
+    glob: str | None = None
+    """Text in a directory: which files to read (default **/*.txt, **/*.jsonl or **/*.parquet)."""
     fsync: bool = False
     """Make every file durable (fsync) before OUT is renamed into place; the command then waits for the disk.
     Without it, as with cp or h5repack, a crash of this node in the moments after `shard` returns can leave
@@ -108,6 +142,11 @@ class ShardConfig:
             raise ConfigError(f"--workers {self.workers!r} must be 0 (one per CPU) or more")
         if self.chunk_rows is not None and self.chunk_rows < 1:
             raise ConfigError(f"--chunk-rows {self.chunk_rows!r} must be at least 1, or left out for automatic")
+        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
+            raise ConfigError(f"--seq-len {self.seq_len!r} must be a whole number of at least 1, e.g. --seq-len 1024")
+        if not isinstance(self.train_tokenizer, int) or self.train_tokenizer < 0 or 0 < self.train_tokenizer < 258:
+            raise ConfigError(f"--train-tokenizer {self.train_tokenizer!r} must be 0 (none) or a vocabulary of at "
+                              "least 258 ids (256 bytes, end-of-text and one merge), e.g. --train-tokenizer 4096")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,6 +177,8 @@ class TrainConfig:
     """Seed of model initialization, shuffling and dropout."""
     schedule: str = "constant"
     """Learning-rate schedule: constant, cosine (to zero at the last step) or step (x0.1 at 1/2 and 3/4)."""
+    warmup: int = 0
+    """Raise the learning rate linearly over the first this many steps (0: none); transformers usually need it."""
     clip_grad: float = 0.0
     """Clip the global gradient norm to this value (0: no clipping)."""
     shuffle: bool = True
@@ -163,7 +204,8 @@ class TrainConfig:
     bucket_mb: float = 25.0
     """Size of one gradient bucket in MiB (25 measured best on the reference MLP; see README)."""
     grad_compression: str = "none"
-    """Wire format of the gradient allreduce: none, fp16 or bf16 (was --compress)."""
+    """Wire format of the gradient sum (was --compress): none, fp16, bf16, powersgd[:RANK] (low rank, default 4)
+    or topk[:FRACTION] (the largest entries, default 0.01); the last two with error feedback."""
     overlap: bool | None = None
     """Start each bucket's allreduce during backward on a communication thread; None (auto): only when the
     rank has a spare CPU for that thread or computes on a GPU (on one core per rank it measured slower)."""
@@ -173,6 +215,9 @@ class TrainConfig:
     """Reduce within each node first, allreduce between node leaders, broadcast within the node."""
     deterministic: bool = False
     """Sum gradients in rank order, the same bits in every run whatever MPI's algorithm (costs bandwidth)."""
+    precision: str = "fp32"
+    """Compute precision of forward and backward: fp32, bf16 or fp16 (autocast on CPU and CUDA; the weights and
+    the optimizer stay fp32; fp16 adds a loss scale whose skip decision all ranks agree on)."""
     zero: int = 0
     """Shard training state across ranks (ZeRO): 0 none; 1 optimizer state (each rank steps only the slices
     it owns, then parameters are allgathered); 2 also gradients (reduce-scattered, full buckets freed once
@@ -216,7 +261,7 @@ class TrainConfig:
         _positive("--mtbf-hours", self.mtbf_hours, "24")
         _non_negative("--collective-timeout", self.collective_timeout, "300")
         _non_negative("--checkpoint-timeout", self.checkpoint_timeout, "1800")
-        checked = [("--max-steps", self.max_steps)]
+        checked = [("--max-steps", self.max_steps), ("--warmup", self.warmup)]
         if self.checkpoint_every != "auto":
             checked.append(("--checkpoint-every", self.checkpoint_every))
         for name, value in checked:
@@ -231,12 +276,16 @@ class TrainConfig:
             raise one_of("optimizer", self.optimizer, OPTIMIZERS)
         if self.schedule not in SCHEDULES:
             raise one_of("schedule", self.schedule, SCHEDULES)
-        if self.grad_compression not in WIRE_FORMATS:
-            raise one_of("--grad-compression", self.grad_compression, WIRE_FORMATS)
+        kind, _ = parse_grad_compression(self.grad_compression)
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
             raise ConfigError(f"--zero {self.zero!r} must be 0 (no sharding), 1 (optimizer state) or 2 (also gradients)")
+        if self.precision not in PRECISIONS:
+            raise one_of("--precision", self.precision, PRECISIONS)
         if self.zero_reduce not in ZERO_REDUCERS:
             raise one_of("--zero-reduce", self.zero_reduce, ZERO_REDUCERS)
+        if self.zero and kind in ("powersgd", "topk"):
+            raise ConfigError(f"--grad-compression {self.grad_compression} does not combine with --zero {self.zero} "
+                              "(ZeRO sums each rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
         if self.zero and self.hierarchical:
             raise ConfigError(f"--zero {self.zero} does not combine with --hierarchical (ZeRO reduce-scatters over "
                               "all ranks at once): drop one of them")

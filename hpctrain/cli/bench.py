@@ -66,8 +66,10 @@ def allreduce(
 @app.command()
 @handle_errors
 def train(
-    model: Annotated[str, typer.Option(help="Model spec (the reference is mlp:2048,2048 on 784 inputs).")] = "mlp:2048,2048",
-    input_dim: Annotated[int, typer.Option(help="Input features.")] = 784,
+    model: Annotated[str, typer.Option(help="Model spec (the reference is mlp:2048,2048 on 784 inputs); gpt or gpt:layers=L,dim=D,heads=H steps on random token rows.")] = "mlp:2048,2048",
+    input_dim: Annotated[int, typer.Option(help="Input features (classifiers).")] = 784,
+    seq_len: Annotated[int, typer.Option(help="Tokens per row (language models).")] = 128,
+    vocab: Annotated[int, typer.Option(help="Vocabulary size of the random tokens (language models; 257: bytes).")] = 257,
     batch_size: Annotated[int, typer.Option(help="Samples per rank per step.")] = 64,
     steps: Annotated[int, typer.Option(help="Measured steps per round.")] = 30,
     rounds: Annotated[int, typer.Option(help="Rounds, alternating hpctrain and the baseline.")] = 3,
@@ -91,6 +93,8 @@ def train(
     Example: hpctrain bench train -n 2 --baseline ddp --json
 
     Example: hpctrain bench train -n 4 --zero 2 --optimizer adam --model mlp:8192,8192 --steps 3 --rounds 1
+
+    Example: hpctrain bench train -n 2 --model gpt:layers=2,dim=128,heads=4 --seq-len 128 --batch-size 32
     """
     if compress is not None:
         print("note: --compress is now --grad-compression; the old spelling still works", file=sys.stderr)
@@ -101,16 +105,20 @@ def train(
 
     result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
                          rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=grad_compression,
-                         device=device, zero=zero, optimizer=optimizer)
+                         device=device, zero=zero, optimizer=optimizer, seq_len=seq_len, vocab=vocab)
     if not is_rank0():
         return
     if json_out:
         print(json.dumps(result))
         return
     hp = result["hpctrain"]
-    print(f"{result['model']} ({result['parameters']:,} parameters), batch {result['batch_size']}/rank, "
+    rows = f" of {result['seq_len']} tokens" if "seq_len" in result else ""
+    print(f"{result['model']} ({result['parameters']:,} parameters), batch {result['batch_size']}{rows}/rank, "
           f"{result['world_size']} ranks, {result['torch_threads']} torch thread(s) per rank")
     print(f"  hpctrain step      {hp['step_ms']:8.2f} ms  {hp['samples_per_s']:9.0f} samples/s  (exposed comm {hp['comm_ms']:.2f} ms)")
+    if "mfu" in result:
+        print(f"  tokens/s           {result['tokens_per_s']:8.0f}     {result['flops_per_token'] / 1e6:.2f} MFLOP/token, "
+              f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s (all ranks, measured), MFU {result['mfu']:.3f}")
     mem = result["memory"]
     print(f"  memory per rank    params {mem['params_mib']:.1f} MiB, grads {mem['grads_mib']:.1f} MiB, optimizer "
           f"{mem['optimizer_mib']:.1f} MiB, peak RSS {mem['peak_rss_mib']:.0f} MiB (zero stage {result['zero']})")
@@ -125,6 +133,11 @@ def train(
         print(f"  sync all grads     {result['sync_ms']:8.2f} ms  vs one raw Allreduce {result['raw_allreduce_ms']:.2f} ms "
               f"({result['sync_over_raw']:.2f}x)")
     print(f"  one rank alone     {result['single_rank_step_ms']:8.2f} ms  scaling efficiency {result['scaling_efficiency']:.2f}")
+    print(f"  limit              {result['limit_step_ms']:8.2f} ms  (every rank's step at once, no communication: "
+          f"{result['compute_only_step_ms']:.2f} ms{'' if result['overlap'] else ', plus one raw allreduce'}); "
+          f"step / limit {result['step_over_limit']:.2f}")
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
+    print(f"  where a step goes  {phases} (ms, slowest rank); {result['wire_bytes_per_step']:,} bytes on the wire")
 
 
 @app.command()

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from ..base.stop import FLAG, finishing, unblock
-from . import bench, container, doctor, launch, report, shard, submit, train
+from . import bench, container, doctor, generate, launch, report, shard, submit, train
 
 app = typer.Typer(
     name="hpctrain",
@@ -23,6 +23,7 @@ app.command()(train.train)
 app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(launch.launch)
 app.command()(doctor.doctor)
 app.command()(report.report)
+app.command()(generate.generate)
 submit.register(app)
 app.add_typer(container.app, name="container")
 app.add_typer(bench.app, name="bench")

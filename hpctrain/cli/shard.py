@@ -21,6 +21,8 @@ def shard(ctx: typer.Context, json_out: Annotated[bool, typer.Option("--json", h
     Every option is a field of `ShardConfig` (its default and help are written there, once).
 
     Example: hpctrain shard digits data/ --shards 2
+
+    Example: hpctrain shard text:corpus/ lm-data/ --seq-len 256 --shards 2 --val-fraction 0.05
     """
     from ..data.sharding import shard as write_shards
 
@@ -31,6 +33,11 @@ def shard(ctx: typer.Context, json_out: Annotated[bool, typer.Option("--json", h
         return
     if json_out:
         print(json.dumps(manifest))
+    elif manifest.get("task") == "lm":
+        splits = ", ".join(f"{name} {body['samples']} rows ({body['tokens']:,} tokens of {body['text_bytes']:,} "
+                           f"text bytes)" for name, body in manifest["splits"].items())
+        print(f"wrote {manifest['num_shards']} shards per split to {cfg.out}: {splits}; rows of "
+              f"{manifest['seq_len']} + 1 tokens, vocabulary {manifest['vocab_size']} ({manifest['tokenizer']['name']})")
     else:
         splits = ", ".join(f"{name} {body['samples']}" for name, body in manifest["splits"].items())
         print(f"wrote {manifest['num_shards']} shards per split to {cfg.out} ({splits} samples, "

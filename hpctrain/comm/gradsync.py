@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterable
 
-from ..base.config import WIRE_FORMATS
+from ..base.config import parse_grad_compression
 from ..base.errors import CommError, ConfigError
 from ..base.threads import join_logged
+from . import compress as compression
 from .wire import buffer_spec, sum_op
 from .world import Comm, cuda_aware, load_mpi
 
@@ -125,10 +127,12 @@ class GradSync:
     ):
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
-        if compress not in WIRE_FORMATS:
-            raise ConfigError(f"unknown gradient wire format --compress {compress!r}: choose one of {', '.join(WIRE_FORMATS)}")
+        kind, _ = parse_grad_compression(compress)
         self.comm = comm
-        self.compress = compress
+        self.compress = kind  # none, fp16 or bf16 on the wire; powersgd and topk: `compressor`
+        self.compressor = compression.make(compress, comm)
+        self.wire_bytes = 0  # what this rank put on the wire in the last step (its payload)
+        self._wire_round = 0
         self.overlap = overlap and comm.size > 1
         # eager: without overlap, still reduce each bucket as soon as backward has filled it, inline in the
         # backward (a subclass that frees gradient memory per bucket wants this; the allreduce does not)
@@ -156,6 +160,7 @@ class GradSync:
         if self.overlap or self.eager:
             self._start_overlap(ordered)
         self.comm_seconds = 0.0
+        self.hook_seconds = 0.0  # time spent in the gradient-ready hooks (inside backward), summed
         # Scale each rank's gradient before the sum (e.g. its share of an uneven global batch) and the sum
         # after it (e.g. 1 / world size for a mean); applied in place inside the reduction, no extra pass
         # when both are 1.
@@ -191,8 +196,6 @@ class GradSync:
 
     def wait(self) -> None:
         """Finish the allreduce of every bucket; afterwards each `.grad` holds the sum over ranks."""
-        import time
-
         if not self.enabled:
             return
         start = time.perf_counter()
@@ -213,6 +216,7 @@ class GradSync:
                     self._launched += 1
                     self._reduce_guarded(self.buckets[self._launched - 1])
             self._end_round()
+            self.wire_bytes = self._wire_round
             if self._error is not None:
                 error, self._error = self._error, None
                 raise CommError(f"gradient allreduce failed on rank {self.comm.rank}: {error!r}") from error
@@ -221,6 +225,18 @@ class GradSync:
             self._local_round()
             self._end_round()
         self.comm_seconds = time.perf_counter() - start
+
+    def compressor_state(self) -> dict[str, Any] | None:
+        """The compressor's per-rank state (error feedback, warm starts) for a checkpoint; None without one."""
+        return self.compressor.state_dict() if self.compressor is not None else None
+
+    def load_compressor_state(self, state: dict[str, Any]) -> None:
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state)
+
+    def grad_tensors(self) -> list[Any]:
+        """The memory that holds the summed gradients after `wait()` (to unscale or check them)."""
+        return [b.flat for b in self.buckets]
 
     def grad_bytes(self) -> int:
         """Bytes of gradient memory this sync holds (its flat buckets)."""
@@ -259,6 +275,7 @@ class GradSync:
         the caller knows which batch it is (`scale_fn`), not when it zeroed the gradients."""
         if not self._in_round:
             self._in_round = True
+            self._wire_round = 0
             if self.scale_fn is not None:
                 self.prescale, self.postscale = self.scale_fn()
 
@@ -273,6 +290,13 @@ class GradSync:
     def _on_grad_ready(self, param: Any) -> None:
         if not self.enabled:
             return
+        start = time.perf_counter()
+        try:
+            self._mark_ready(param)
+        finally:
+            self.hook_seconds += time.perf_counter() - start
+
+    def _mark_ready(self, param: Any) -> None:
         bucket = self._bucket_of[id(param)]
         with self._lock:
             self._begin_round()
@@ -356,6 +380,15 @@ class GradSync:
             self._reduce_host(flat, bucket, MPI)
 
     def _reduce_host(self, flat: Any, bucket: Bucket, MPI: Any) -> None:
+        if self.compressor is not None:  # low rank or sparse, with error feedback
+            if self.prescale != 1.0:
+                flat.mul_(self.prescale)
+            self._wire_round += self.compressor.reduce(bucket.index, flat, bucket.params,
+                                                       lambda buf: self._sum(buf, MPI.SUM, MPI))
+            if self.postscale != 1.0:
+                flat.mul_(self.postscale)
+            return
+        self._wire_round += flat.numel() * (flat.element_size() if self.compress == "none" else 2)
         if self.compress == "none":
             if self.prescale != 1.0:
                 flat.mul_(self.prescale)

@@ -96,6 +96,9 @@ class ZeroSync(GradSync):
             raise ConfigError(f"--zero {stage} does not combine with --hierarchical (ZeRO reduce-scatters over all "
                               "ranks at once): drop one of them")
         self.probe = ""
+        if compress.partition(":")[0] in ("powersgd", "topk"):
+            raise ConfigError(f"--grad-compression {compress} does not combine with --zero {stage} (ZeRO sums each "
+                              "rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
         if reduce not in REDUCERS:
             raise ConfigError(f"--zero-reduce {reduce!r}: choose one of {', '.join(REDUCERS)}")
         self.stage = stage
@@ -150,6 +153,10 @@ class ZeroSync(GradSync):
                 self.comm.mpi.Allgatherv(MPI.IN_PLACE, _vspec(host, bucket.counts, MPI))
             if host is not flat:
                 flat.copy_(host)
+
+    def grad_tensors(self) -> list[Any]:
+        """This rank's reduced slices: all of the summed gradient it holds after `wait()`."""
+        return [b.shard for b in self.buckets]
 
     def grad_bytes(self) -> int:
         """Bytes of gradient memory this rank holds now: flat buckets (stage 1), reduced slices, and any
@@ -229,6 +236,7 @@ class ZeroSync(GradSync):
                 out.mul_(scale)
             return
         MPI = load_mpi()
+        self._wire_round += send.numel() * (send.element_size() if self.compress == "none" else 2)  # the payload
         if send.is_cuda:
             torch.cuda.current_stream(send.device).synchronize()
         staged = send.is_cuda and self._staging

@@ -15,6 +15,7 @@ slices such a dict for this rank: a run saved on W ranks at any stage resumes on
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -52,7 +53,8 @@ class ShardedOptimizer:
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [s.tensor for s in segs]})
             self.segments.extend(segs)
         self.group_params = [[self.index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        self.inner = kind(groups, **optimizer.defaults)
+        accepted = inspect.signature(kind.__init__).parameters  # AdamW's defaults hold a key its __init__ refuses
+        self.inner = kind(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         if optimizer.state:
             self.load_state_dict(optimizer.state_dict())
 

@@ -80,10 +80,13 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, dropout: float = 0.0) ->
     return nn.Sequential(*layers)
 
 
-def _factory(spec: str) -> Callable[..., Any]:
+def load_factory(spec: str, *, known: str = "", signature: str = "(input_shape, num_classes)") -> Callable[..., Any]:
+    """The callable named by `module.path:factory` or `path/to/file.py:factory`; `known` lists the built-in
+    specs and `signature` the factory's arguments, for the messages."""
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
-        raise ConfigError(f"unknown model {spec!r}: use one of {', '.join(BUILTINS)}, module.path:factory or path/to/file.py:factory")
+        known = known or ", ".join(BUILTINS)
+        raise ConfigError(f"unknown model {spec!r}: use one of {known}, module.path:factory or path/to/file.py:factory")
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
@@ -103,7 +106,7 @@ def _factory(spec: str) -> Callable[..., Any]:
             raise ConfigError(f"cannot import module {target!r} for --model {spec!r} ({exc}); is it on PYTHONPATH?") from exc
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise ConfigError(f"{target!r} has no callable {name!r} for --model {spec!r}")
+        raise ConfigError(f"{target!r} has no callable {name!r} for --model {spec!r}: define {name}{signature} -> nn.Module")
     return factory
 
 
@@ -122,7 +125,7 @@ def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> An
         return cnn(input_shape, num_classes, **_options(rest, spec))
     if ":" not in spec:
         raise ConfigError(f"unknown model {spec!r}: use one of {', '.join(BUILTINS)}, module.path:factory or path/to/file.py:factory")
-    model = _factory(spec)(tuple(input_shape), int(num_classes))
+    model = load_factory(spec)(tuple(input_shape), int(num_classes))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the factory of --model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -223,7 +223,7 @@ class CheckpointManager:
         skeleton, tensors = split_tensors({"model": model_state, "train": train_state})
         owner = assign_writers(tensors, self.comm.size)
         mine = {i: t for i, t in enumerate(tensors) if owner[i] == self.comm.rank}
-        if shard_state is not None:  # this rank's own state (a sharded optimizer's slices): in its own part
+        if shard_state is not None:  # this rank's own state (a sharded optimizer's slices, error feedback): its part
             rank_state, own = self._own_tensors(rank_state, shard_state, first=len(tensors))
             mine.update(own)
         ranks = self.comm.gather({"state": to_host(rank_state), "layout": layout_digest(tensors)}, root=0)
@@ -248,12 +248,12 @@ class CheckpointManager:
 
     def _own_tensors(self, rank_state: dict, shard_state: dict, *, first: int) -> tuple[dict, dict[int, Any]]:
         """Number this rank's own tensors after the shared ones and every lower rank's own ones (collective),
-        and put their references into its rank state under `zero_shard`: (rank state, {id: tensor})."""
+        and put their references into its rank state under `own`: (rank state, {id: tensor})."""
         _, own = split_tensors(shard_state)
         counts = self.comm.allgather(len(own))
         first += sum(counts[:self.comm.rank])
         refs, own = split_tensors(shard_state, first)
-        return {**rank_state, "zero_shard": refs}, {first + i: t for i, t in enumerate(own)}
+        return {**rank_state, "own": refs}, {first + i: t for i, t in enumerate(own)}
 
     def wait(self) -> None:
         """Block until the last save is on disk (collective), raising its error if it failed (on every rank)."""

@@ -1,4 +1,5 @@
-"""Where a resumed run starts from: which checkpoint `--resume` names, and what changed in the config since.
+"""What a checkpoint of a run holds and how a run resumes from one: which checkpoint `--resume` names, what
+changed in the config since, the state saved at a step boundary (`state`) and loaded back (`restore`).
 
 The trainer asks on rank 0 (`resolve`: the latest complete checkpoint, verified, or the one named), and warns
 about every change of the config since that checkpoint (`config_changes`) before it loads the state.
@@ -6,12 +7,15 @@ about every change of the config since that checkpoint (`config_changes`) before
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from . import checkpoint as ckpt
+from . import rngstate
 from ..base.config import TrainConfig
 from ..base.errors import CheckpointError
+from ..comm import checkpoint_entries, load_entries
 
 # what may change between the segments of one run without changing what it computes
 NOT_A_CHANGE = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep",
@@ -36,3 +40,57 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`key: old -> new` for every setting that differs between a checkpoint's config and this run's."""
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
             if k not in NOT_A_CHANGE and old.get(k) != new.get(k)]
+
+
+def restore(run: Any) -> dict[str, int]:
+    """Load the checkpoint's state into the run (RNG streams only on the world size that wrote them); say what
+    changed since. Returns every audit file's line count at the checkpoint."""
+    cfg, comm, start = run.cfg, run.comm, run.start
+    state = start.state
+    meta = state["meta"]
+    changes = config_changes(TrainConfig.upgrade(meta.get("config", {})), cfg.to_dict())
+    planned = meta.get("schedule_steps")
+    if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
+        changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
+                       f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
+                       "on, the learning rate follows the new plan")
+    for change in changes:
+        run.log.warning("config changed since the checkpoint: %s", change)
+        if comm.rank == 0:
+            print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
+    run.model.load_state_dict(state["model"])
+    run.model.to(run.device)
+    owns = [r.get("own") or {} for r in state["ranks"]]  # each rank's own state: optimizer slices, error feedback
+    load_entries(run.optimizer, state["train"]["optimizer"], [own.get("optimizer") for own in owns])
+    run.scheduler.load_state_dict(state["train"]["scheduler"])
+    if run.scaler is not None and "scaler" in state["train"]:
+        run.scaler.load_state_dict(state["train"]["scaler"])
+    if meta["world_size"] == comm.size:
+        rngstate.restore(state["ranks"][comm.rank]["rng"])
+        if owns[comm.rank].get("compress") is not None:
+            run.sync.load_compressor_state(owns[comm.rank]["compress"])
+    elif any(own.get("compress") is not None for own in owns):
+        run.log.warning("the error feedback of --grad-compression starts empty: the checkpoint holds %d ranks' "
+                        "errors, this run has %d", meta["world_size"], comm.size)
+    known = {**meta.get("audit_frozen", {}),
+             **{f"rank-{r:04d}.txt": int(st["audit_lines"]) for r, st in enumerate(state["ranks"])}}
+    run.audit_frozen = {name: n for name, n in known.items() if int(name[5:9]) >= comm.size}
+    run.log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", start.path, start.step, start.epoch,
+                 start.in_epoch)
+    return known
+
+
+def state(run: Any, sink: Any, epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
+    """What a checkpoint at this step boundary holds (called only when one is written)."""
+    optimizer, shard = checkpoint_entries(run.optimizer)  # a sharded optimizer: the layout, and this rank's slices
+    compressor = run.sync.compressor_state()  # error feedback and warm starts: this rank's own
+    own = None if shard is None and compressor is None else {"optimizer": shard, "compress": compressor}
+    return dict(
+        model_state=run.model.state_dict(), shard_state=own,
+        train_state={"optimizer": optimizer, "scheduler": run.scheduler.state_dict(),
+                     **({"scaler": run.scaler.state_dict()} if run.scaler is not None else {})},
+        rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
+        meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
+              "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
+              "config": run.cfg.to_dict(), "schedule_steps": run.total_steps},
+    )

@@ -82,8 +82,10 @@ class RunLog:
     """The open files of one rank's run and the window of steps since the last logged one."""
 
     def __init__(self, cfg: TrainConfig, rank: int, log: logging.Logger, stack: contextlib.ExitStack, *,
-                 total_steps: int, step: int):
+                 total_steps: int, step: int, rates: Any = None):
         self.cfg, self.rank, self.log, self.total_steps = cfg, rank, log, total_steps
+        self.rates = rates  # a language model's: targets per sample, and what tokens_per_s and mfu need
+        self.targets = rates.targets if rates is not None else 1
         self.metrics = stack.enter_context(open(cfg.run_dir / "metrics.jsonl", "a")) if rank == 0 else None
         self.timing = stack.enter_context(open(_timing_path(cfg.run_dir, rank), "a"))
         audit_path = _audit_path(cfg.run_dir, rank)
@@ -110,7 +112,7 @@ class RunLog:
             np.savetxt(self.audit, np.column_stack([np.full(n, epoch), index]), fmt="%d")
             self.audit_lines += n
         self.window.add(loss, n, step_s, comm_s, data_s)
-        self.bar.update(1, loss=f"{loss / max(1, n):.4f}", epoch=epoch)
+        self.bar.update(1, loss=f"{loss / max(1, n * self.targets):.4f}", epoch=epoch)
 
     def due(self, step: int, end_of_epoch: bool, last: bool) -> bool:
         return step % self.cfg.log_every == 0 or end_of_epoch or last
@@ -126,10 +128,12 @@ class RunLog:
         """Log the window that ended at time `ended` with `step` (`loss_tot`, `n_tot`: over all ranks; `extra`:
         validation and epoch figures), then start a new one."""
         w = self.window
-        record = {"step": step, "epoch": epoch, "loss": loss_tot / max(1.0, n_tot), "lr": lr,
+        record = {"step": step, "epoch": epoch, "loss": loss_tot / max(1.0, n_tot * self.targets), "lr": lr,
                   "samples_per_s": n_tot / max(ended - w.start, 1e-9),
                   "step_ms": 1000 * w.step_s / w.steps, "comm_ms": 1000 * w.comm_s / w.steps,
                   "data_ms": 1000 * w.data_s / w.steps, **extra}
+        if self.rates is not None:  # tokens_per_s and mfu of a language model
+            record.update(self.rates.extra(record["samples_per_s"]))
         self.timing.write(json.dumps({
             "step": step, "epoch": epoch, "rank": self.rank, "step_ms": record["step_ms"],
             "compute_ms": record["step_ms"] - record["comm_ms"], "comm_ms": record["comm_ms"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from ..comm import Comm, GradSync, ShardedOptimizer, ZeroSync
 from ..base.config import TrainConfig
 from ..data.reader import ShardReader
 from ..base.rankenv import RankEnv
+from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 
 
@@ -44,18 +46,27 @@ def auto_overlap(env: RankEnv, device_type: str) -> bool:
 
 
 def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray,
-               global_n: int, *, clip_grad: float = 0.0, device: Any = "cpu", accumulate: int = 1) -> float:
+               global_n: int, *, clip_grad: float = 0.0, device: Any = "cpu", accumulate: int = 1,
+               precision: str = "fp32", scaler: LossScaler | None = None,
+               phases: dict[str, float] | None = None) -> float:
     """One data-parallel step; returns this rank's summed loss.
 
-    The loss is this rank's sum of per-sample losses divided by the step's global sample count, so the
-    summed allreduce leaves in every `.grad` the mean gradient over all samples of the step. A rank whose
-    batch is empty still joins the allreduce (with zeros), so uneven data never hangs. With `accumulate`
-    K > 1 the batch runs as K micro-batches and only the last one's backward starts the allreduce.
+    The loss is this rank's sum of per-target losses (one per sample; one per token of a token row) divided
+    by the step's global target count `global_n`, so the summed allreduce leaves in every `.grad` the mean
+    gradient over all targets of the step. A rank whose batch is empty still joins the allreduce (with
+    zeros), so uneven data never hangs. With `accumulate` K > 1 the batch runs as K micro-batches and only
+    the last one's backward starts the allreduce. `precision` autocasts forward and backward; with a
+    `scaler` (fp16) the loss is scaled, and a step that any rank finds inf/NaN in is skipped on every rank.
+    `phases`, when given, accumulates seconds per phase: zero, forward, backward, hooks (inside backward),
+    wait, optimizer (what `hpctrain bench train` breaks a step into).
     """
     import torch
 
+    clock = _Clock(phases, sync)
     sync.zero()
+    clock.lap("zero")
     loss_value = 0.0
+    scale = scaler.scale if scaler is not None else 1.0
     bounds = np.linspace(0, len(y), accumulate + 1).astype(int) if accumulate > 1 else (0, len(y))
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
@@ -63,14 +74,23 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
         if hi == lo:
             continue
         xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
-        if xt.dtype != torch.float32:
+        if xt.dtype != torch.float32 and xt.dtype != torch.int64:  # int64: token ids
             xt = xt.float()
         yt = torch.from_numpy(y[lo:hi]).to(device, non_blocking=True)
-        loss_sum = loss_fn(model(xt), yt)
-        (loss_sum / global_n).backward()
+        with autocast(device, precision):
+            out = model(xt)
+        if out.dim() > 2:  # a language model: logits (batch, tokens, vocabulary), one target per token
+            out, yt = out.reshape(-1, out.shape[-1]), yt.reshape(-1)
+        loss_sum = loss_fn(out.float(), yt)
+        clock.lap("forward")
+        (loss_sum * (scale / global_n)).backward()
         loss_value += float(loss_sum.detach())
+        clock.lap("backward")
     sync.enabled = True
     sync.wait()
+    clock.lap("wait")
+    if scaler is not None and not scaler.unscale(sync.grad_tensors(), sync.comm):
+        return loss_value  # an inf or NaN on some rank: every rank skips this step
     if clip_grad:
         clip = getattr(optimizer, "clip_grad_norm_", None)  # a sharded optimizer clips its slices
         if clip is not None:
@@ -78,25 +98,59 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
+    clock.lap("optimizer")
     return loss_value
 
 
-def lr_factor(schedule: str, total: int) -> Any:
+class _Clock:
+    """Seconds per phase of a step, summed into `phases` (nothing at all when it is None); the time inside
+    the gradient hooks is taken out of backward and counted as `hooks`."""
+
+    def __init__(self, phases: dict[str, float] | None, sync: GradSync):
+        self.phases, self.sync = phases, sync
+        if phases is not None:
+            self.hooks = sync.hook_seconds
+            self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.phases is None:
+            return
+        now = time.perf_counter()
+        spent = now - self.last
+        if phase == "backward":
+            hooks, self.hooks = self.sync.hook_seconds - self.hooks, self.sync.hook_seconds
+            self.phases["hooks"] = self.phases.get("hooks", 0.0) + hooks
+            spent -= hooks
+        self.phases[phase] = self.phases.get(phase, 0.0) + spent
+        self.last = now
+
+
+def lr_factor(schedule: str, total: int, warmup: int = 0) -> Any:
+    """The learning rate's factor at step s: the schedule's, times a linear warmup over the first `warmup` steps."""
     if schedule == "cosine":
-        return lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, total) / max(1, total)))
-    if schedule == "step":
-        return lambda s: 0.1 ** ((s >= total // 2) + (s >= (3 * total) // 4))
-    return lambda s: 1.0
+        shape = lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, total) / max(1, total)))  # noqa: E731
+    elif schedule == "step":
+        shape = lambda s: 0.1 ** ((s >= total // 2) + (s >= (3 * total) // 4))  # noqa: E731
+    else:
+        shape = lambda s: 1.0  # noqa: E731
+    if warmup <= 0:
+        return shape
+    return lambda s: shape(s) * min(1.0, (s + 1) / warmup)
 
 
 def make_optimizer(cfg: TrainConfig, params: Any) -> Any:
+    """The optimizer of `cfg`, fused where torch has a fused kernel for the parameters (CPU and CUDA floats):
+    one pass over the state instead of one per operation. Measured on this machine, reference MLP, one
+    thread: SGD with momentum 5.3 -> 2.9 ms per step, Adam 32 -> 5.4 ms (`foreach` alone: 5.0 and 17.6)."""
     import torch
 
+    params = list(params)
+    fused = {"fused": True} if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **fused)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
 
 
 def make_sync(cfg: TrainConfig, model: Any, comm: Comm, overlap: bool) -> tuple[GradSync, Any]:
@@ -113,9 +167,10 @@ def make_sync(cfg: TrainConfig, model: Any, comm: Comm, overlap: bool) -> tuple[
 
 
 def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,
-             step: int = 0) -> dict[str, float]:
-    """Validation loss and accuracy over all ranks' validation shards. Only the final reduction is a wait
-    on other ranks (watched); the pass itself, however long, is this rank's own work."""
+             step: int = 0, precision: str = "fp32") -> dict[str, float]:
+    """Validation loss and accuracy over all ranks' validation shards (per token for a language model).
+    Only the final reduction is a wait on other ranks (watched); the pass itself, however long, is this
+    rank's own work."""
     import torch
 
     model.eval()
@@ -126,12 +181,15 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
             if not len(batch.y):
                 continue
             device = next(model.parameters()).device
-            x = torch.from_numpy(batch.x).to(device).float()
+            x = torch.from_numpy(batch.x).to(device)
+            x = x if x.dtype == torch.int64 else x.float()
             y = torch.from_numpy(batch.y).to(device)
-            out = model(x)
+            with autocast(device, precision):
+                out = model(x)
+            out, y = out.float().reshape(-1, out.shape[-1]), y.reshape(-1)
             loss_sum += float(loss_fn(out, y))
             correct += float((out.argmax(1) == y).sum())
-            n += len(y)
+            n += y.numel()
     model.train()
     if watchdog is not None:
         watchdog.phase("validation reduction", step)

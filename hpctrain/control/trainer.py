@@ -27,9 +27,9 @@ from typing import Any
 
 
 from . import checkpoint as ckpt
-from . import resume, rngstate
+from . import lm, resume
 from . import runlog
-from ..comm import Comm, GradSync, checkpoint_entries, load_entries, world
+from ..comm import Comm, GradSync, world
 from ..base.config import TrainConfig
 from ..data import staging
 from ..data.reader import ShardReader, epoch_remainder
@@ -37,10 +37,10 @@ from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import replacing, write_text
 from ..base.rankenv import RankEnv, read_env, select_device
 from ..base.errors import CheckpointError, ConfigError, HpctrainError
-from ..compute.models import build_model
 from .runlog import RunLog
 from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
+from .precision import LossScaler
 from .step import auto_overlap, evaluate, lr_factor, make_sync, param_sha256, train_step
 from .watchdog import Watchdog
 
@@ -120,12 +120,12 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     start = _resume_point(cfg, comm, shardset, resume_path, watchdog)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
     run.staged = staged
-    audit_lines = _restore(run) if start.state is not None else None
+    audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up barrier", start.step)
     comm.barrier()
     watchdog.idle()
-    sink = RunLog(cfg, comm.rank, log, stack, total_steps=run.total_steps, step=start.step)
+    sink = RunLog(cfg, comm.rank, log, stack, total_steps=run.total_steps, step=start.step, rates=run.rates)
     outcome = _loop(run, sink)
     return _finish(run, sink, outcome)
 
@@ -164,6 +164,8 @@ class Run:
     manager: ckpt.CheckpointManager
     loss_fn: Any
     total_steps: int
+    rates: lm.Rates  # targets per sample (seq_len for token rows), and what tokens_per_s and mfu need
+    scaler: LossScaler | None  # fp16's loss scale
     audit_frozen: dict[str, int] = field(default_factory=dict)  # audit files of ranks beyond this world size
     staged: staging.Staged = field(default_factory=staging.Staged)  # what --stage-to copied
 
@@ -178,6 +180,7 @@ class Outcome:
     epoch_loss: float = 0.0  # this rank's summed loss and samples in the current epoch
     epoch_n: float = 0.0
     last_val: dict[str, float] = field(default_factory=dict)
+    val_step: int = -1  # the step whose model last_val measured
     stop_signal: int | None = None
 
 
@@ -203,7 +206,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
         if cfg.init_weights is not None and not cfg.init_weights.is_file():
             raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, shardset.x_shape, shardset.num_classes)
+        model = lm.build(cfg, shardset)  # a classifier of the samples, or a language model of the tokens
     except HpctrainError as exc:
         error = exc
     watchdog.phase("start-up checks", 0)
@@ -323,7 +326,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     stack.callback(sync.close)
     watchdog.idle()
     scheduler = torch.optim.lr_scheduler.LambdaLR(getattr(optimizer, "inner", optimizer),
-                                                  lr_factor(cfg.schedule, total_steps))
+                                                  lr_factor(cfg.schedule, total_steps, cfg.warmup))
     for note in sync.notes:
         log.warning(note)
     log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s, zero stage %d", len(sync.buckets),
@@ -332,39 +335,12 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     manager = ckpt.CheckpointManager(
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
         on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
+    watchdog.phase("start-up: every rank measures its peak FLOP/s (language models)", start.step)
+    rates = lm.rates(cfg, shardset, model, comm, device)
     watchdog.idle()
     return Run(cfg, comm, log, watchdog, shardset, model, device, start, reader, first_reader, val_reader, optimizer,
-               scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps)
-
-
-def _restore(run: Run) -> dict[str, int]:
-    """Load the checkpoint's state into the run (RNG streams only on the world size that wrote them); say what
-    changed since. Returns every audit file's line count at the checkpoint."""
-    cfg, comm, start = run.cfg, run.comm, run.start
-    state = start.state
-    meta = state["meta"]
-    changes = resume.config_changes(TrainConfig.upgrade(meta.get("config", {})), cfg.to_dict())
-    planned = meta.get("schedule_steps")
-    if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
-        changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
-                       f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
-                       "on, the learning rate follows the new plan")
-    for change in changes:
-        run.log.warning("config changed since the checkpoint: %s", change)
-        if comm.rank == 0:
-            print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
-    run.model.load_state_dict(state["model"])
-    run.model.to(run.device)
-    load_entries(run.optimizer, state["train"]["optimizer"], [r.get("zero_shard") for r in state["ranks"]])
-    run.scheduler.load_state_dict(state["train"]["scheduler"])
-    if meta["world_size"] == comm.size:
-        rngstate.restore(state["ranks"][comm.rank]["rng"])
-    known = {**meta.get("audit_frozen", {}),
-             **{f"rank-{r:04d}.txt": int(st["audit_lines"]) for r, st in enumerate(state["ranks"])}}
-    run.audit_frozen = {name: n for name, n in known.items() if int(name[5:9]) >= comm.size}
-    run.log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", start.path, start.step, start.epoch,
-                 start.in_epoch)
-    return known
+               scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps, rates,
+               LossScaler() if cfg.precision == "fp16" else None)
 
 
 def _loop(run: Run, sink: RunLog) -> Outcome:
@@ -383,21 +359,22 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
         t_data = time.perf_counter()
         for batch in batches:
             t0 = time.perf_counter()
-            global_n = int(reader.step_sizes(in_epoch).sum())
+            rows = int(reader.step_sizes(in_epoch).sum())
             watchdog.phase("gradient allreduce", out.step + 1)
-            loss = train_step(run.model, run.sync, run.optimizer, run.loss_fn, batch.x, batch.y, global_n,
-                              clip_grad=cfg.clip_grad, device=run.device, accumulate=cfg.accumulate)
+            loss = train_step(run.model, run.sync, run.optimizer, run.loss_fn, batch.x, batch.y,
+                              rows * run.rates.targets, clip_grad=cfg.clip_grad, device=run.device,
+                              accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler)
             watchdog.idle()
             run.scheduler.step()
-            out.step, in_epoch, out.samples = out.step + 1, in_epoch + 1, out.samples + global_n
-            out.epoch_loss, out.epoch_n = out.epoch_loss + loss, out.epoch_n + len(batch.y)
+            out.step, in_epoch, out.samples = out.step + 1, in_epoch + 1, out.samples + rows
+            out.epoch_loss, out.epoch_n = out.epoch_loss + loss, out.epoch_n + batch.y.size  # per target
             sink.step(epoch, batch.index, loss, time.perf_counter() - t0, run.sync.comm_seconds, t0 - t_data)
             end_of_epoch, last = in_epoch == reader.steps_per_epoch, out.step >= run.total_steps
             if sink.due(out.step, end_of_epoch, last):
                 _log_window(run, sink, out, epoch, end_of_epoch)
             position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (comm.size, in_epoch)])
             watchdog.phase("stop/checkpoint agreement", out.step)
-            stopping = run.manager.save(out.step, lambda: _state(run, sink, *position), stop_requested=STOP.requested,
+            stopping = run.manager.save(out.step, lambda: resume.state(run, sink, *position), stop_requested=STOP.requested,
                                         final=last)
             watchdog.idle()
             if stopping:
@@ -422,9 +399,12 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
     loss_tot, n_tot = comm.allreduce_array([sink.window.loss, sink.window.n])
     watchdog.idle()
     ended = time.perf_counter()
-    extra: dict[str, float] = {}
+    extra: dict[str, float] = {"wire_bytes_per_step": run.sync.wire_bytes}  # this rank's gradient payload
     if end_of_epoch and run.val_reader is not None:
-        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=out.step)
+        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=out.step,
+                                precision=run.cfg.precision)
+        out.last_val.update(run.rates.validation(out.last_val))
+        out.val_step = out.step
         extra.update(out.last_val)
     if end_of_epoch:
         watchdog.phase("epoch loss reduction", out.step)
@@ -435,17 +415,14 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
     sink.write(out.step, epoch, loss_tot, n_tot, run.scheduler.get_last_lr()[0], extra, ended=ended)
 
 
-def _state(run: Run, sink: RunLog, epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
-    """What a checkpoint at this step boundary holds (called only when one is written)."""
-    optimizer, shard = checkpoint_entries(run.optimizer)  # a sharded optimizer: the layout, and this rank's slices
-    return dict(
-        model_state=run.model.state_dict(), shard_state=shard,
-        train_state={"optimizer": optimizer, "scheduler": run.scheduler.state_dict()},
-        rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
-        meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
-              "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
-              "config": run.cfg.to_dict(), "schedule_steps": run.total_steps},
-    )
+def _lm_summary(run: Run, out: Outcome, train_time: float) -> dict[str, Any]:
+    """A language model's figures: tokens/s, MFU and both of its inputs, perplexity, bits per byte."""
+    if run.rates.targets == 1:
+        return {}
+    rates = run.rates.extra(out.samples / max(train_time, 1e-9))
+    return {**rates, "flops_per_token": run.rates.flops_per_token, "peak_flops": run.rates.peak_flops,
+            "seq_len": run.rates.targets, **{k: out.last_val.get(k) for k in ("val_perplexity", "val_bits_per_byte")},
+            "skipped_steps": run.scaler.skipped if run.scaler is not None else 0}
 
 
 def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
@@ -462,8 +439,9 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     if STOP.requested:  # came after the last step's boundary: nothing left to stop, the run is complete
         run.log.warning("%s arrived after the last step; the run completed", signal.Signals(STOP.signum).name)
     train_time = time.perf_counter() - out.started
-    if not out.last_val and run.val_reader is not None:
-        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step)
+    if out.val_step != step and run.val_reader is not None:  # the final model's, not an earlier epoch's
+        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step, precision=cfg.precision)
+        out.last_val.update(run.rates.validation(out.last_val))
     digest = param_sha256(run.model)
     watchdog.phase("summary reductions", step)
     hashes = comm.allgather(digest)
@@ -478,7 +456,9 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "samples_per_s": out.samples / max(train_time, 1e-9) if out.samples else None, "train_time_s": train_time,
         "param_sha256": digest, "ranks_in_sync": len(set(hashes)) == 1, "resumed_from": run.start.resumed_from,
         "model": cfg.model, "data": str(cfg.data), "data_fingerprint": run.shardset.fingerprint,
-        "staged_bytes": run.staged.total_bytes, "staging_s": run.staged.max_seconds,
+        "staged_bytes": run.staged.total_bytes, "staging_s": run.staged.max_seconds, "precision": cfg.precision,
+        "grad_compression": cfg.grad_compression, "wire_bytes_per_step": run.sync.wire_bytes,
+        "zero": cfg.zero, **_lm_summary(run, out, train_time),
         "checkpoint": {"saves": m.saves, "stall_s": m.stall_seconds, "write_s": m.write_seconds,
                        "write_cpu_s": m.write_cpu_seconds,
                        "async_stall_median_s": statistics.median(m.async_stalls) if m.async_stalls else None,

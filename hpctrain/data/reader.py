@@ -34,6 +34,8 @@ JOIN_TIMEOUT_S = 10.0  # how long closing a reader waits for its threads before 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
+    """A batch: x and y as train feeds them (for token rows, lm: x = row[:-1], y = row[1:], both int64)."""
+
     x: np.ndarray
     y: np.ndarray
     index: np.ndarray  # global sample ids, for --audit-samples
@@ -153,7 +155,7 @@ class ShardReader:
             self._handles[f.path] = handle
             try:  # look x up once (h5py's lookup costs more than a small read); y and index are small: read whole
                 self._datasets[(f.path, "x")] = handle["x"]
-                for name in ("y", "index"):
+                for name in self.shardset.datasets()[1:]:
                     self._datasets[(f.path, name)] = handle[name][()].astype(np.int64, copy=False)
             except KeyError as exc:
                 raise DataError(f"shard {str(f.path)!r} lacks dataset {exc}; re-create it with `hpctrain shard`") from exc
@@ -187,7 +189,7 @@ class ShardReader:
             else:
                 runs.append([i, start, stop])
         total = sum(stop - start for _, start, stop in runs)
-        names = ("index",) if only_indices else ("x", "y", "index")
+        names = ("index",) if only_indices else self.shardset.datasets()  # token rows (lm) have no y
         if only_indices:
             out = {"index": np.empty(total, np.int64)}
         else:
@@ -212,7 +214,7 @@ class ShardReader:
                                 f"{exc}; the file is corrupt or truncated: check it with `hpctrain verify` and "
                                 "re-create it with `hpctrain shard`") from exc
             offset += n
-        return tuple(out[name] for name in names)
+        return (out["index"],) if only_indices else (out["x"], out["y"], out["index"])
 
     def _window_buffers(self, rows: int) -> dict[str, np.ndarray]:
         """Views of `rows` rows of the next buffer in a ring of four, allocated once per reader: a fresh
@@ -260,8 +262,8 @@ class ShardReader:
 
     def _gather(self, epoch: int, start_step: int, stream: Iterator[list[Any]]) -> Iterator[Batch]:
         pending: deque[list[Any]] = deque()
-        empty = Batch(self.shardset.normalize_on_read(np.empty((0, *self.shardset.x_shape), self.shardset.x_dtype)),
-                      np.empty(0, np.int64), np.empty(0, np.int64))
+        empty = self._batch(np.empty((0, *self.shardset.x_shape), self.shardset.x_dtype), np.empty(0, np.int64),
+                            np.empty(0, np.int64))
         for step in range(start_step, self.steps_per_epoch):
             want = int(self.step_sizes(step)[self.rank])
             if want == 0:
@@ -289,7 +291,14 @@ class ShardReader:
                 bx, by, bix = pieces[0]
             else:
                 bx, by, bix = (np.concatenate([p[k] for p in pieces]) for k in range(3))
-            yield Batch(self.shardset.normalize_on_read(bx), by, bix)
+            yield self._batch(bx, by, bix)
+
+    def _batch(self, x: np.ndarray, y: np.ndarray, index: np.ndarray) -> Batch:
+        """Rows as train feeds them: normalized features and labels, or token rows cut into inputs and targets."""
+        if self.shardset.task == "lm":
+            rows = x.astype(np.int64)
+            return Batch(rows[:, :-1], rows[:, 1:], index)
+        return Batch(self.shardset.normalize_on_read(x), y, index)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """The batches of `epoch` from `start_step` on, made ahead by a background thread (which itself

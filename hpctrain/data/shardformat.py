@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..base.durable import sha256_file
+from ..base.durable import fsync_dir, sha256_file
 from ..base.errors import ConfigError, DataError
 from .hdf5env import reader_locking
 
 MANIFEST = "manifest.json"
 FORMAT = "hpctrain-shards"
 VERSION = 2  # 2: the normalization keys renamed (normalize_on_read, normalized_on_write); 1 still reads
-READS = (1, 2)  # an older hpctrain refuses a version-2 manifest instead of misreading its renamed keys
+LM_VERSION = 3  # 3: token rows for language models (task "lm": x only, no labels)
+READS = (1, 2, 3)  # an older hpctrain refuses a newer manifest instead of misreading it
+TOKENIZER_FILE = "tokenizer.json"  # a language-model dataset's own tokenizer (not the bytes one), beside the shards
 SPLITS = ("train", "val")
 # The two normalization entries, each named for the one thing it says: NORMALIZE_ON_READ is what the reader
 # applies to stored uint8 images to make float32; NORMALIZED_ON_WRITE records what --normalize already applied
@@ -63,6 +67,20 @@ class ShardSet:
     x_shape: tuple[int, ...]
     x_dtype: str
     splits: dict[str, list[ShardFile]]
+
+    @property
+    def task(self) -> str:
+        """`classify` (samples and labels) or `lm` (rows of tokens; the targets are each row shifted by one)."""
+        return str(self.manifest.get("task", "classify"))
+
+    @property
+    def seq_len(self) -> int:
+        """lm: the tokens a model reads per row (a row stores one more)."""
+        return int(self.manifest.get("seq_len", self.x_shape[0] - 1))
+
+    def datasets(self) -> tuple[str, ...]:
+        """The HDF5 datasets of every shard file."""
+        return ("x", "index") if self.task == "lm" else ("x", "y", "index")
 
     @property
     def fingerprint(self) -> str:
@@ -165,7 +183,7 @@ def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False
             bar.update(1)
             try:
                 with h5py.File(f.path, "r", locking=reader_locking()) as h5:
-                    n = {name: h5[name].shape[0] for name in ("x", "y", "index")}
+                    n = {name: h5[name].shape[0] for name in shardset.datasets()}
             except (OSError, KeyError) as exc:
                 problems.append(f"{f.path}: unreadable or missing a dataset ({exc})")
                 continue
@@ -174,4 +192,64 @@ def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False
             if not quick and sha256_file(f.path) != f.sha256:
                 problems.append(f"{f.path}: sha256 differs from the manifest (file changed or corrupt)")
     return problems
+
+
+# -- writing: what `sharding` and `tokenshards` share --------------------------------------------------------
+def safe_to_replace(out: Path) -> bool:
+    """Whether --force may replace `out`: an empty directory or an hpctrain dataset, nothing else."""
+    if out.is_dir() and not any(out.iterdir()):
+        return True
+    try:
+        return json.loads((out / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_manifest(tmp: Path, manifest: dict[str, Any], fsync: bool) -> None:
+    """`tmp`/manifest.json, made durable with `fsync`."""
+    with open(tmp / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+
+
+def discard_partial(tmp: Path, created: list[Path]) -> None:
+    """After a failed write: remove the temporary directory and the parent folders the writer created, so
+    bad input leaves nothing behind."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    for p in created[::-1]:
+        try:
+            p.rmdir()
+        except OSError:
+            pass
+
+
+def hash_and_sync(path: Path, fsync: bool) -> str:
+    """The sha256 of a written shard file, made durable first with `fsync`."""
+    digest = sha256_file(path)
+    if fsync:
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+    return digest
+
+
+def commit(tmp: Path, out: Path, fsync: bool) -> None:
+    """Move the finished directory into place; an old OUT (with --force) is removed only afterwards.
+
+    With --fsync every shard file and the manifest were fsynced by their writers; what remains are the
+    directory entries, before and after the rename."""
+    if fsync:
+        for path in [tmp, *(p for p in tmp.iterdir() if p.is_dir())]:
+            fsync_dir(path)
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if fsync:
+        fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 

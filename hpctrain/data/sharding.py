@@ -19,9 +19,7 @@ by `imagesets`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
@@ -32,10 +30,11 @@ import numpy as np
 from ..comm import Comm, world
 from ..base.config import ShardConfig
 from ..base.rankenv import RankEnv, read_env
-from .shardformat import FORMAT, MANIFEST, NORMALIZED_ON_WRITE, SPLITS, VERSION, shard_name
-from ..base.durable import fsync_dir, sha256_file
+from .shardformat import (FORMAT, NORMALIZED_ON_WRITE, SPLITS, VERSION, commit, discard_partial,
+                          hash_and_sync, safe_to_replace, shard_name, write_manifest)
 from ..base.errors import ConfigError, DataError, HpctrainError
 from .sources import Source, open_simple_source
+from .text import text_form
 from ..base.threads import worker_context
 from ..base.progress import Progress
 
@@ -82,15 +81,6 @@ def _chunk_rows(cfg: ShardConfig, row_bytes: int) -> int:
     return cfg.chunk_rows or int(max(1, min(1 << 16, (1 << 20) // max(1, row_bytes))))
 
 
-def _safe_to_replace(out: Path) -> bool:
-    if out.is_dir() and not any(out.iterdir()):
-        return True
-    try:
-        return json.loads((out / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = None,
           env: RankEnv | None = None) -> dict[str, Any]:
     """Write the shards and manifest for `cfg`; return the manifest.
@@ -104,6 +94,8 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
         cfg = dataclasses.replace(cfg, workers=env.torch_threads())
     if comm is None:
         comm = world() if env.under_launcher else Comm(None)
+    if text_form(cfg.source) is not None:
+        return _shard_text(cfg, comm)
     error: HpctrainError | None = None
     source = None
     out = cfg.out
@@ -151,16 +143,11 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
             if comm.rank == 0:
                 merged = {k: v for part in gathered for k, v in part.items()}
                 manifest = _manifest(cfg, source, sizes, dtype, chunk_rows, norm, merged, tmp)
-                _commit(tmp, out, cfg.fsync)
+                commit(tmp, out, cfg.fsync)
             manifest = comm.bcast(manifest)
         except BaseException:
             if comm.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                for p in created[::-1]:
-                    try:
-                        p.rmdir()
-                    except OSError:
-                        pass
+                discard_partial(tmp, created)
             raise
     finally:
         if source is not None:
@@ -168,12 +155,27 @@ def shard(cfg: ShardConfig, *, show_progress: bool = True, comm: Comm | None = N
     return manifest
 
 
+def _shard_text(cfg: ShardConfig, comm: Comm) -> dict[str, Any]:
+    """Text for language models (`tokenshards`): one process tokenizes and packs the stream (rank 0 under a
+    launcher; the others wait for its manifest)."""
+    from .tokenshards import write_token_shards
+
+    manifest, error = None, None
+    if comm.rank == 0:
+        try:
+            manifest = write_token_shards(cfg)
+        except HpctrainError as exc:
+            error = exc
+    comm.agree(error if comm.rank == 0 else None)
+    return comm.bcast(manifest)
+
+
 def _open_checked(cfg: ShardConfig) -> Source:
     """The source, once OUT may be written and every split has at least one sample per shard."""
     out = cfg.out
     if out.exists() and not cfg.force:
         raise ConfigError(f"OUT {str(out)!r} already exists: choose another directory or pass --force to replace it")
-    if out.exists() and not _safe_to_replace(out):
+    if out.exists() and not safe_to_replace(out):
         raise ConfigError(f"OUT {str(out)!r} exists and is not an hpctrain dataset; refusing to replace it even with --force")
     source = open_source(cfg.source, cfg.seed, cfg)
     n_val = int(round(source.n * cfg.val_fraction))
@@ -326,16 +328,8 @@ def _write(cfg: ShardConfig, source: Source, slot: np.ndarray, sizes: dict[str, 
             # the GIL): one file's fsync overlaps another's hashing
             rels = [f"{SPLITS[s]}/{shard_name(k, shards)}" for s, k in group]
             with ThreadPoolExecutor(max_workers=max(1, min(len(rels), os.cpu_count() or 1))) as pool:
-                digests.update(zip(rels, pool.map(lambda rel: _hash_and_sync(tmp / rel, cfg.fsync), rels)))
+                digests.update(zip(rels, pool.map(lambda rel: hash_and_sync(tmp / rel, cfg.fsync), rels)))
     return digests
-
-
-def _hash_and_sync(path: Path, fsync: bool) -> str:
-    digest = sha256_file(path)
-    if fsync:
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
-    return digest
 
 
 def _manifest(cfg: ShardConfig, source: Source, sizes: dict[str, np.ndarray], dtype: np.dtype, chunk_rows: int,
@@ -368,30 +362,5 @@ def _manifest(cfg: ShardConfig, source: Source, sizes: dict[str, np.ndarray], dt
             rel = f"{split}/{shard_name(k, cfg.shards)}"
             entries.append({"file": rel, "samples": int(sizes[split][k]), "sha256": digests[rel]})
         manifest["splits"][split] = {"samples": int(sizes[split].sum()), "shards": entries}
-    with open(tmp / MANIFEST, "w") as fh:
-        json.dump(manifest, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        if cfg.fsync:
-            os.fsync(fh.fileno())
+    write_manifest(tmp, manifest, cfg.fsync)
     return manifest
-
-
-def _commit(tmp: Path, out: Path, fsync: bool) -> None:
-    """Move the finished directory into place; an old OUT (with --force) is removed only afterwards.
-
-    With --fsync every shard file was fsynced by the rank that wrote it, the manifest by `_manifest`; what
-    remains are the directory entries, before and after the rename."""
-    if fsync:
-        for path in [tmp, *(p for p in tmp.iterdir() if p.is_dir())]:
-            fsync_dir(path)
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if fsync:
-        fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-

@@ -7,7 +7,9 @@ bench ...`, or let the CLI launch itself) and returns, on every rank, a plain di
   mpi4py `Allreduce` of the same bytes (like nccl-tests).
 - `bench_train`: the training step of `hpctrain train` (the same `train_step`) beside torch DDP (gloo) on
   the same model, batch and data, in one launch; plus the step on one rank alone (for scaling
-  efficiency) and the sync of all gradients beside one raw allreduce of the same bytes.
+  efficiency) and the sync of all gradients beside one raw allreduce of the same bytes. A language model
+  (`gpt[:...]`) steps on random token rows (batch, seq_len) and adds tokens/s, FLOPs per token, the summed
+  peak FLOP/s every rank measures at once, and MFU, as `train` reports them.
 """
 
 from __future__ import annotations
@@ -86,28 +88,26 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
 def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int = 784, classes: int = 10,
                 batch_size: int = 64, steps: int = 30, rounds: int = 3, bucket_mb: float = 25.0,
                 baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none",
-                device: str = "cpu", zero: int = 0, optimizer: str = "sgd") -> dict[str, Any]:
+                device: str = "cpu", zero: int = 0, optimizer: str = "sgd", seq_len: int = 128,
+                vocab: int = 257) -> dict[str, Any]:
     """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling, and the
     memory each rank holds. With `zero` 1 or 2 the step runs at that ZeRO stage and is timed beside stage 0
-    (built after the memory of the sharded step has been read, so that the peak RSS is the sharded run's)."""
+    (built after the memory of the sharded step has been read, so that the peak RSS is the sharded run's).
+    A language model spec (`gpt[:...]`) takes rows of `seq_len` random tokens below `vocab` instead of
+    `input_dim` features and `classes` labels (see `_workload`)."""
     import torch
 
-    from ..compute.models import build_model
     from ..control.step import train_step
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
-    xs, ys = _random_batches(comm.rank, batch_size, input_dim, classes)
+    fresh_model, xs, ys = _workload(comm.rank, model_spec, batch_size, input_dim, classes, seq_len, vocab)
     batches = itertools.cycle(list(zip(xs, ys)))  # one cycle for both steps: each takes the next batch
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
-    def fresh_model() -> Any:
-        torch.manual_seed(0)
-        return build_model(model_spec, (input_dim,), classes)
-
     # hpctrain: the exact step `hpctrain train` runs
     device, overlap = _device_and_overlap(env, device, overlap)
-    global_n = batch_size * comm.size
+    global_n = ys[0].size * comm.size  # targets of the step: one per sample, or one per token of a row
     comm_times: list[float] = []
 
     def stepper(stage: int, times: list[float] | None = None) -> tuple[Callable[[], None], Any, Any, Any]:
@@ -115,9 +115,9 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         sync, opt = _sync_and_optimizer(model, comm, stage, optimizer, bucket_mb=bucket_mb, overlap=overlap,
                                         compress=compress)
 
-        def step() -> None:
+        def step(phases: dict[str, float] | None = None) -> None:
             x, y = next(batches)
-            train_step(model, sync, opt, loss_fn, x, y, global_n, device=device)
+            train_step(model, sync, opt, loss_fn, x, y, global_n, device=device, phases=phases)
             if times is not None:
                 times.append(sync.comm_seconds)
 
@@ -128,6 +128,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     for _ in range(2):
         hp_step()  # the optimizer state exists from the first step on
     memory = _memory(comm, model, sync, opt)
+    lm = _lm_rates(comm, model, device, seq_len) if _is_lm(model_spec) else None
     other = None
     if zero:
         other, _, stage0_sync, _ = stepper(0)
@@ -140,27 +141,56 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         "torch_threads": torch.get_num_threads(), "device": str(device), "staging": sync.staging,
         "bucket_mb": bucket_mb, "overlap": overlap, "compress": compress, "zero": zero, "optimizer": optimizer,
         "memory": memory,
-        "hpctrain": {"step_ms": hp_ms, "samples_per_s": global_n / hp_ms * 1e3,
+        "hpctrain": {"step_ms": hp_ms, "samples_per_s": batch_size * comm.size / hp_ms * 1e3,
                      "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
+        "wire_bytes_per_step": sync.wire_bytes, "phases_ms": _phases(comm, hp_step, steps, hp_ms),
     }
+    if lm is not None:  # MFU as `train` reports it: tokens/s x FLOPs per token / all ranks' peak
+        result.update(lm, vocab=vocab, tokens_per_s=global_n / hp_ms * 1e3)
+        result["mfu"] = result["tokens_per_s"] * lm["flops_per_token"] / lm["peak_flops"]
     if zero:
-        stage0_ms = statistics.median(other_times) * 1e3
-        result["stage0"] = {"step_ms": stage0_ms, "samples_per_s": global_n / stage0_ms * 1e3}
-        result["step_over_stage0"] = hp_ms / stage0_ms
-        result["zero_reduce"], result["zero_reduce_probe"] = sync.reduce, sync.probe
-        stage0_sync.close()
-        sync.close()
-        return result
+        return _beside_stage0(result, other_times, sync, stage0_sync)
     if other:
         ddp_ms = statistics.median(other_times) * 1e3
-        result["ddp"] = {"step_ms": ddp_ms, "samples_per_s": global_n / ddp_ms * 1e3}
+        result["ddp"] = {"step_ms": ddp_ms, "samples_per_s": batch_size * comm.size / ddp_ms * 1e3}
         result["ddp_over_hpctrain"] = ddp_ms / hp_ms
         import torch.distributed as dist
 
         dist.destroy_process_group()
     result.update(_scaling(comm, model, sync, opt, loss_fn, xs, ys, params, device, bucket_mb=bucket_mb, steps=steps,
                            rounds=rounds, global_n=global_n, hp_ms=hp_ms))
+    # the limit: every rank computing the same step at once with no communication, plus one raw allreduce of
+    # all gradient bytes where communication cannot overlap computation (one core per rank)
+    comm_floor = result.get("raw_allreduce_ms", 0.0) if not overlap else 0.0
+    result["limit_step_ms"] = result["compute_only_step_ms"] + comm_floor
+    result["step_over_limit"] = hp_ms / result["limit_step_ms"]
     return result
+
+
+def _beside_stage0(result: dict[str, Any], stage0_times: list[float], sync: Any, stage0_sync: Any) -> dict[str, Any]:
+    """A sharded step's result with stage 0's step time beside it (closes both syncs)."""
+    stage0_ms = statistics.median(stage0_times) * 1e3
+    result["stage0"] = {"step_ms": stage0_ms,
+                        "samples_per_s": result["batch_size"] * result["world_size"] / stage0_ms * 1e3}
+    result["step_over_stage0"] = result["hpctrain"]["step_ms"] / stage0_ms
+    result["zero_reduce"], result["zero_reduce_probe"] = sync.reduce, sync.probe
+    stage0_sync.close()
+    sync.close()
+    return result
+
+
+def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float) -> dict[str, float]:
+    """Where a step's time goes (ms per step, the slowest rank's per phase): zero, forward, backward, hooks,
+    wait, optimizer, and `other` (data, Python, the rest of the step beside the timed one)."""
+    phases: dict[str, float] = {}
+    comm.barrier()
+    for _ in range(steps):
+        step(phases)
+    names = ("zero", "forward", "backward", "hooks", "wait", "optimizer")
+    values = comm.allreduce_array([phases.get(k, 0.0) / steps * 1e3 for k in names], op="max")
+    out = dict(zip(names, (float(v) for v in values)))
+    out["other"] = max(0.0, step_ms - sum(out.values()))
+    return out
 
 
 def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs: list[Any], ys: list[Any],
@@ -175,11 +205,13 @@ def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs:
     sync.close()
 
     def solo_step(solo: GradSync) -> None:
-        train_step(model, solo, opt, loss_fn, xs[0], ys[0], len(ys[0]), device=device)
+        train_step(model, solo, opt, loss_fn, xs[0], ys[0], ys[0].size, device=device)
 
     one_ms = _one_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps, rounds=rounds)
     out["single_rank_step_ms"] = one_ms
-    out["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * len(ys[0]) / one_ms)
+    out["compute_only_step_ms"] = _every_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps,
+                                                       rounds=rounds)
+    out["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * ys[0].size / one_ms)
     return out
 
 
@@ -209,12 +241,55 @@ def _memory(comm: Comm, model: Any, sync: Any, opt: Any) -> dict[str, float]:
             "grads_and_optimizer_mib": float(values[1] + values[2]), "peak_rss_mib": float(values[3])}
 
 
-def _random_batches(rank: int, batch_size: int, input_dim: int, classes: int) -> tuple[list[Any], list[Any]]:
-    """Eight batches of random inputs and labels, seeded by the rank."""
+def _is_lm(model_spec: str) -> bool:
+    """Whether `model_spec` names a language model (`gpt`, `gpt:...`)."""
+    return model_spec.partition(":")[0] == "gpt"
+
+
+def _workload(rank: int, model_spec: str, batch_size: int, input_dim: int, classes: int, seq_len: int,
+              vocab: int) -> tuple[Callable[[], Any], list[Any], list[Any]]:
+    """A builder of the model (seeded, so every rank and every call builds the same weights) and eight
+    batches seeded by the rank: a classifier's random features and labels, or a language model's rows of
+    random token ids, inputs and targets both int64 (batch_size, seq_len), as `train` feeds them."""
+    import torch
+
     rng = np.random.default_rng(rank)
-    xs = [rng.standard_normal((batch_size, input_dim), dtype=np.float32) for _ in range(8)]
-    ys = [rng.integers(0, classes, batch_size) for _ in range(8)]
-    return xs, ys
+    if _is_lm(model_spec):
+        from ..compute.gpt import build_lm
+
+        def build() -> Any:
+            return build_lm(model_spec, seq_len, vocab)
+
+        xs = [rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int64) for _ in range(8)]
+        ys = [rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int64) for _ in range(8)]
+    else:
+        from ..compute.models import build_model
+
+        def build() -> Any:
+            return build_model(model_spec, (input_dim,), classes)
+
+        xs = [rng.standard_normal((batch_size, input_dim), dtype=np.float32) for _ in range(8)]
+        ys = [rng.integers(0, classes, batch_size) for _ in range(8)]
+
+    def fresh_model() -> Any:
+        torch.manual_seed(0)
+        return build()
+
+    return fresh_model, xs, ys
+
+
+def _lm_rates(comm: Comm, model: Any, device: Any, seq_len: int) -> dict[str, Any]:
+    """The GPT's seq_len, training FLOPs per token (`compute.gpt.flops_per_token`) and the peak float32
+    matmul FLOP/s of all ranks' devices, each rank measuring its own at once (as `train` does at start-up:
+    ranks that share cores measure the share they will train on), summed."""
+    import torch
+
+    from ..compute.gpt import measure_peak_flops, model_flops_per_token
+
+    fpt = float(model_flops_per_token(model, seq_len))
+    comm.barrier()
+    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=torch.float32, seconds=0.3)])[0])
+    return {"seq_len": seq_len, "flops_per_token": fpt, "peak_flops": peak}
 
 
 def _device_and_overlap(env: RankEnv, device: str, overlap: bool | None) -> tuple[Any, bool]:
@@ -255,7 +330,10 @@ def _ddp_baseline(comm: Comm, env: RankEnv, baseline: str | None, device: Any, f
         def ddp_step() -> None:  # the baseline as DDP users write it
             x, y = next(batches)
             ddp_opt.zero_grad(set_to_none=True)
-            ddp_loss(ddp_model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            out, target = ddp_model(torch.from_numpy(x)), torch.from_numpy(y)
+            if out.dim() > 2:  # a language model's logits (batch, tokens, vocabulary): one target per token
+                out, target = out.reshape(-1, out.shape[-1]), target.reshape(-1)
+            ddp_loss(out, target).backward()
             ddp_opt.step()
 
         return ddp_step
@@ -325,6 +403,26 @@ def _one_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync], N
         one_ms = 0.0
     comm.idle_barrier(None if comm.rank == 0 else 0.005)
     return float(comm.bcast(one_ms))
+
+
+def _every_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync], None], *, bucket_mb: float,
+                         steps: int, rounds: int) -> float:
+    """The step with no communication, every rank computing it at the same time (each with itself as the
+    world): what the hardware gives the step when the ranks share a node's memory bandwidth and caches. The
+    slowest rank's median."""
+    solo = GradSync(model.parameters(), self_comm(), bucket_mb=bucket_mb)
+    times = []
+    for _ in range(rounds):
+        comm.barrier()
+        for _ in range(2):
+            solo_step(solo)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            solo_step(solo)
+            times.append(time.perf_counter() - t0)
+    solo.close()
+    comm.barrier()
+    return float(comm.allreduce_array([statistics.median(times) * 1e3], op="max")[0])
 
 
 def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2, shuffle: bool = True) -> dict[str, Any]:

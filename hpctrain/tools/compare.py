@@ -140,6 +140,7 @@ def read_row(name: str, run_dir: Path, now: float | None = None) -> tuple[dict[s
     if summary is not None:
         row.update({k: summary.get(k) for k in ("steps", "train_loss", "val_loss", "val_accuracy", "samples_per_s",
                                                  "train_time_s", "param_sha256")})
+        row.update({k: summary[k] for k in ("val_bits_per_byte", "tokens_per_s", "mfu") if k in summary})
         return row, run
     row.update(steps=metrics[-1]["step"], train_loss=metrics[-1].get("loss"))
     for key in ("val_loss", "val_accuracy"):

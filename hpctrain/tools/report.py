@@ -233,22 +233,27 @@ def plot_accuracy(metrics: list[dict[str, Any]], path: Path, title: str) -> None
 
 
 def plot_throughput(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Training samples per second (all ranks) per logged window, with its median."""
+    """Training samples per second (all ranks) per logged window, with its median (tokens per second and MFU
+    for a language model)."""
     fig = new_figure()
     ax = fig.add_subplot()
-    rows = [m for m in metrics if "samples_per_s" in m]
+    unit = "tokens/s" if any("tokens_per_s" in m for m in metrics) else "samples/s"
+    key = unit.replace("/", "_per_")
+    rows = [m for m in metrics if key in m]
     if not rows:
         note_empty(ax, "no throughput logged yet")
     else:
         _epoch_lines(ax, metrics)
-        ys = [m["samples_per_s"] for m in rows]
-        ax.plot([m["step"] for m in rows], ys, color="#8172B3", linewidth=1.2, label="samples/s (logged window)")
+        ys = [m[key] for m in rows]
+        ax.plot([m["step"] for m in rows], ys, color="#8172B3", linewidth=1.2, label=f"{unit} (logged window)")
         median = statistics.median(ys)
-        ax.axhline(median, color="0.3", linestyle="--", linewidth=1, label=f"median {median:,.0f} samples/s")
+        mfu = [m["mfu"] for m in rows if "mfu" in m]
+        ax.axhline(median, color="0.3", linestyle="--", linewidth=1, label=f"median {median:,.0f} {unit}"
+                   + (f", MFU {statistics.median(mfu):.2f}" if mfu else ""))
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_formatter("{x:,.0f}")
         ax.set_xlabel("step")
-        ax.set_ylabel("samples/s (all ranks)")
+        ax.set_ylabel(f"{unit} (all ranks)")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     ax.set_title(f"Throughput: {title}")
@@ -338,7 +343,8 @@ def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
                       f"{len(speeds)} logged window{'s' if len(speeds) != 1 else ''}.", ""]
     else:
         keys = ["world_size", "epochs", "steps", "global_batch_size", "train_loss", "val_loss", "val_accuracy",
-                "samples_per_s", "train_time_s", "ranks_in_sync", "resumed_from", "model", "data"]
+                "val_perplexity", "val_bits_per_byte", "samples_per_s", "tokens_per_s", "mfu", "flops_per_token",
+                "peak_flops", "precision", "zero", "train_time_s", "ranks_in_sync", "resumed_from", "model", "data"]
         lines += ["**Status: finished** (summary.json).", "", "| | |", "|---|---|"]
         lines += [f"| {k} | {_fmt(summary[k])} |" for k in keys if k in summary]
         lines.append("")

@@ -69,3 +69,17 @@ def test_uneven_last_batch_gets_its_own_weights_in_either_zeroing_order(tmp_path
     proc = mpirun(2, [str(Path(__file__).parent / "scripts" / "api_uneven_check.py"), str(data), order],
                   python_module=False, timeout=120)
     assert f"UNEVEN OK 2 {order} 5" in proc.stdout
+
+
+def test_the_language_model_example_shards_trains_and_generates(tmp_path: Path) -> None:
+    """examples/language_model.sh as the README runs it (fewer steps): text -> shards -> GPT -> text."""
+    import os
+
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OUT=str(tmp_path / "lm"),
+               STEPS="40", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run(["bash", str(EXAMPLES / "language_model.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"val [\d.]+ bits per byte, \d+ tokens/s, MFU [\d.]+", proc.stdout), proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("def ") or "\ndef " in proc.stdout
+    assert summary(tmp_path / "lm" / "run")["ranks_in_sync"]

@@ -3,7 +3,6 @@ bit-exact --deterministic, 16-bit wire formats, and the library API."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def test_a_zero_2_checkpoint_resumes_on_other_world_sizes_and_stages(tmp_path: P
     state = ckpt.load_files(ckpt.latest(sharded))
     layout = state["train"]["optimizer"]
     assert layout["zero"] == 2 and layout["world_size"] == 4
-    shards = [r["zero_shard"] for r in state["ranks"]]
+    shards = [r["own"]["optimizer"] for r in state["ranks"]]
     assert len(shards) == 4 and all(s["segments"] for s in shards)
     total = sum(stop - start for s in shards for _, start, stop in s["segments"])
     assert total == sum(v.numel() for v in state["model"].values())  # every element owned once

@@ -30,6 +30,23 @@ def test_bench_train_json() -> None:
     assert r["hpctrain"]["step_ms"] > 0 and r["ddp"]["step_ms"] > 0
 
 
+@pytest.mark.mpi
+def test_bench_train_lm_json() -> None:
+    """A gpt spec steps on random token rows and reports the token figures `train` reports, beside DDP."""
+    proc = hpctrain(["bench", "train", "-n", "2", "--model", "gpt:layers=1,dim=32,heads=2", "--seq-len", "16",
+                     "--batch-size", "8", "--steps", "2", "--rounds", "1", "--json"], timeout=180)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["world_size"] == 2 and r["seq_len"] == 16 and r["vocab"] == 257
+    # tied embedding/head 257 x 32 and positions 16 x 32; one block: 2 LayerNorms, qkv, proj, fc, proj; ln_f
+    block = 2 * 2 * 32 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
+    assert r["parameters"] == 257 * 32 + 16 * 32 + block + 2 * 32
+    assert r["flops_per_token"] == 6 * (r["parameters"] - 16 * 32) + 12 * 1 * 32 * 16
+    assert r["tokens_per_s"] == pytest.approx(2 * 8 * 16 / r["hpctrain"]["step_ms"] * 1e3)
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / r["peak_flops"])
+    for key in ("peak_flops", "mfu", "ddp_over_hpctrain", "sync_ms", "single_rank_step_ms", "scaling_efficiency"):
+        assert r[key] > 0
+
+
 def test_bench_rejects_bad_sizes() -> None:
     proc = hpctrain(["bench", "allreduce", "-n", "1", "--sizes", "4K,lots"], check=False)
     assert proc.returncode == 2 and "lots" in proc.stderr

@@ -1,0 +1,80 @@
+"""What a language-model run adds to the trainer: the model built from the data's vocabulary and sequence
+length, the targets per row, and the figures of `train`'s metrics that only a token stream has.
+
+A run is a language model when its data is (`ShardSet.task == "lm"`, written by `hpctrain shard text:...`):
+each row of seq_len + 1 tokens gives seq_len next-token targets, so the loss and the mean gradient are per
+target token, `tokens_per_s` is rows per second times seq_len, and
+
+- MFU (model FLOPs utilization) = tokens_per_s x training FLOPs per token / the peak FLOP/s of every rank's
+  device together. FLOPs per token come from the model (`compute.gpt.flops_per_token`: 6 N + 12 L d T for
+  the built-in GPT; 6 N for a user's model, whose attention hpctrain cannot see); the peak is measured at
+  start-up by each rank with a matmul in the run's precision (all ranks at once, as they will train) and
+  summed. Both inputs are in summary.json.
+- bits per byte of the validation text = val_loss (nats per token) x the split's tokens / its text bytes
+  / ln 2, from the manifest's counts: comparable across tokenizers, unlike the loss per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..base.config import TrainConfig
+from ..compute.models import build_model
+from ..data.shardformat import ShardSet
+
+
+def build(cfg: TrainConfig, shardset: ShardSet) -> Any:
+    """The model of `cfg.model` for this data: a classifier of its samples, or a language model of its tokens."""
+    if shardset.task != "lm":
+        return build_model(cfg.model, shardset.x_shape, shardset.num_classes)
+    from ..compute.gpt import build_lm
+
+    return build_lm(cfg.model, shardset.seq_len, shardset.num_classes)
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """How a run's sample counts become its token figures (targets 1 and no flops for a classifier)."""
+
+    targets: int = 1  # targets per sample: seq_len for token rows
+    flops_per_token: float = 0.0
+    peak_flops: float = 0.0  # every rank's measured peak, summed
+    tokens_per_byte: float = 0.0  # of the validation text
+
+    def extra(self, samples_per_s: float) -> dict[str, float]:
+        """tokens_per_s and mfu of a logged window (nothing for a classifier)."""
+        if self.targets == 1 and not self.flops_per_token:
+            return {}
+        tokens = samples_per_s * self.targets
+        return {"tokens_per_s": tokens, "mfu": tokens * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0}
+
+    def validation(self, val: dict[str, float]) -> dict[str, float]:
+        """Perplexity and bits per byte beside a language model's val_loss."""
+        if self.targets == 1 or "val_loss" not in val:
+            return {}
+        out = {"val_perplexity": math.exp(min(val["val_loss"], 700.0))}
+        if self.tokens_per_byte:
+            out["val_bits_per_byte"] = val["val_loss"] * self.tokens_per_byte / math.log(2)
+        return out
+
+
+def rates(cfg: TrainConfig, shardset: ShardSet, model: Any, comm: Any, device: Any) -> Rates:
+    """The Rates of this run; for a language model every rank measures its peak matmul FLOP/s now (collective)."""
+    if shardset.task != "lm":
+        return Rates()
+    import torch
+
+    from ..compute.gpt import GPT, flops_per_token, measure_peak_flops
+
+    T = shardset.seq_len
+    if isinstance(model, GPT):
+        fpt = flops_per_token(model.num_params(), model.layers, model.dim, T)
+    else:
+        fpt = 6 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=dtype, seconds=0.3)])[0])
+    val = shardset.manifest.get("splits", {}).get("val", {})
+    per_byte = val.get("tokens", 0) / val["text_bytes"] if val.get("text_bytes") else 0.0
+    return Rates(targets=T, flops_per_token=float(fpt), peak_flops=peak, tokens_per_byte=per_byte)
