@@ -212,11 +212,11 @@ def main() -> None:
     run_in_temp(ap.parse_args(), "hpctrain-lm-bpb-", measure, table)
 
 
-def training_options(ap: argparse.ArgumentParser) -> None:
+def training_options(ap: argparse.ArgumentParser, *, warmup: int = 0) -> None:
     """The training flags both LM benchmarks take (weight decay, clipping, warmup, seed)."""
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--clip-grad", type=float, default=1.0)
-    ap.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warmup (default 0)")
+    ap.add_argument("--warmup", type=int, default=warmup, help=f"steps of linear learning-rate warmup (default {warmup})")
     ap.add_argument("--seed", type=int, default=0)
 
 

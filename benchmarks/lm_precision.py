@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3, help="adamw learning rate (default 2e-3, as lm_bpb.py)")
     ap.add_argument("--batch-size", type=int, default=32, help="rows per rank per step (default 32)")
     ap.add_argument("--schedule", default="constant", help="learning-rate schedule (default constant)")
-    training_options(ap)
+    training_options(ap, warmup=30)  # without it, lr 2e-3 spikes in steps 8-11 whatever the precision
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--keep", action="store_true", help="keep the shards and runs (printed); the JSON gets every loss")
     run_in_temp(ap.parse_args(), "hpctrain-lm-precision-", measure, table)
