@@ -40,7 +40,6 @@ def parse_grad_compression(spec: str) -> tuple[str, float]:
                       "powersgd:4) or topk[:FRACTION] (in (0, 1], e.g. topk:0.01)")
 
 
-WIRE_FORMATS = ("none", "fp16", "bf16")
 # fields renamed so that each name says one thing: {old spelling: new field}. The old flag and the old TOML key
 # still work (with a note); a checkpoint's config written under the old name compares equal.
 TRAIN_RENAMED = {"compress": "grad_compression"}

@@ -100,9 +100,9 @@ class PowerSGD:
             total(rest_flat)
         for P, M, Q in zip(ps, views, qs):
             torch.matmul(P, Q.t(), out=M)  # the approximate sum, in place in the bucket
-        for (o, s), part in zip(rest, _split(rest_flat, [s for _, s in rest])):
+        for (o, s), part in zip(rest, rest_flat.split([s for _, s in rest])):
             flat[o:o + s].copy_(part)
-        error.sub_(flat / self.comm.size)  # M - approx / W: each rank's share of what the sum missed
+        error.sub_(flat, alpha=1.0 / self.comm.size)  # M - approx / W: each rank's share of what the sum missed
         for o, s in rest:
             error[o:o + s].zero_()  # sent exactly: no error
         return (p_all.numel() + q_all.numel() + rest_flat.numel()) * flat.element_size()
@@ -160,10 +160,3 @@ class TopK:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
 
-
-def _split(flat: Any, sizes: list[int]) -> list[Any]:
-    out, at = [], 0
-    for s in sizes:
-        out.append(flat[at:at + s])
-        at += s
-    return out

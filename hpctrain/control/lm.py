@@ -64,17 +64,24 @@ def rates(cfg: TrainConfig, shardset: ShardSet, model: Any, comm: Any, device: A
     """The Rates of this run; for a language model every rank measures its peak matmul FLOP/s now (collective)."""
     if shardset.task != "lm":
         return Rates()
-    import torch
-
-    from ..compute.gpt import GPT, flops_per_token, measure_peak_flops
-
-    T = shardset.seq_len
-    if isinstance(model, GPT):
-        fpt = flops_per_token(model.num_params(), model.layers, model.dim, T)
-    else:
-        fpt = 6 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
-    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=dtype, seconds=0.3)])[0])
+    fpt, peak = flops_and_peak(model, shardset.seq_len, comm, device, cfg.precision)
     val = shardset.manifest.get("splits", {}).get("val", {})
     per_byte = val.get("tokens", 0) / val["text_bytes"] if val.get("text_bytes") else 0.0
-    return Rates(targets=T, flops_per_token=float(fpt), peak_flops=peak, tokens_per_byte=per_byte)
+    return Rates(targets=shardset.seq_len, flops_per_token=fpt, peak_flops=peak, tokens_per_byte=per_byte)
+
+
+def flops_and_peak(model: Any, seq_len: int, comm: Any, device: Any, precision: str) -> tuple[float, float]:
+    """(training FLOPs per token of `model`, the peak FLOP/s of every rank's device in `precision`, summed):
+    the two inputs of MFU. Every rank measures at once, as they will train (collective)."""
+    import torch
+
+    from ..compute.gpt import GPT, measure_peak_flops, model_flops_per_token
+
+    if isinstance(model, GPT):
+        fpt = model_flops_per_token(model, seq_len)
+    else:  # a user's model: 6 N, its attention unseen
+        fpt = 6 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    comm.barrier()
+    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=dtype, seconds=0.3)])[0])
+    return float(fpt), peak

@@ -118,7 +118,7 @@ class ShardSet:
             )
 
 
-def _inside(root: Path, rel: str) -> Path:
+def inside(root: Path, rel: str) -> Path:
     """The path of a manifest entry, refusing entries that escape the dataset directory."""
     if not isinstance(rel, str) or not rel or Path(rel).is_absolute():
         raise DataError(f"manifest entry {rel!r} in {root / MANIFEST} must be a path relative to {root}")
@@ -154,7 +154,7 @@ def load_manifest(root: Path | str) -> ShardSet:
         for split, body in manifest["splits"].items():
             if split not in SPLITS:
                 raise DataError(f"{str(mpath)!r} has an unknown split {split!r}; expected {', '.join(SPLITS)}")
-            files = [ShardFile(_inside(root, e["file"]), int(e["samples"]), str(e["sha256"])) for e in body["shards"]]
+            files = [ShardFile(inside(root, e["file"]), int(e["samples"]), str(e["sha256"])) for e in body["shards"]]
             if len(files) != num_shards:
                 raise DataError(f"{str(mpath)!r}: split {split!r} lists {len(files)} shards, expected {num_shards}")
             splits[split] = files

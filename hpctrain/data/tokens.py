@@ -141,7 +141,7 @@ def load_tokenizer(spec: str | Path) -> BytesTokenizer | HFTokenizer:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(f"--tokenizer {str(spec)!r} is neither `bytes` nor a tokenizer.json file: check the path, "
-                          "or make one with train_bpe")
+                          "or train one with `hpctrain shard ... --train-tokenizer V`")
     tokenizers = _tokenizers_module()
     try:
         tok = tokenizers.Tokenizer.from_file(str(path))

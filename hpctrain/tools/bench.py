@@ -282,13 +282,9 @@ def _lm_rates(comm: Comm, model: Any, device: Any, seq_len: int) -> dict[str, An
     """The GPT's seq_len, training FLOPs per token (`compute.gpt.flops_per_token`) and the peak float32
     matmul FLOP/s of all ranks' devices, each rank measuring its own at once (as `train` does at start-up:
     ranks that share cores measure the share they will train on), summed."""
-    import torch
+    from ..control.lm import flops_and_peak
 
-    from ..compute.gpt import measure_peak_flops, model_flops_per_token
-
-    fpt = float(model_flops_per_token(model, seq_len))
-    comm.barrier()
-    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=torch.float32, seconds=0.3)])[0])
+    fpt, peak = flops_and_peak(model, seq_len, comm, device, "fp32")
     return {"seq_len": seq_len, "flops_per_token": fpt, "peak_flops": peak}
 
 

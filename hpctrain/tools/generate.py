@@ -20,9 +20,8 @@ from typing import Any
 from ..base.config import read_toml
 from ..base.durable import sha256_file
 from ..base.errors import CheckpointError, ConfigError, DataError
-from ..data.shardformat import load_manifest
+from ..data.shardformat import inside, load_manifest
 from ..data.tokens import BYTES_SHA256, load_tokenizer
-from ..data.tokenshards import TASK as LM_TASK
 
 
 def check_sampling(tokens: int, temperature: float, top_k: int | None) -> None:
@@ -64,14 +63,11 @@ def lm_tokenizer(root: Path, manifest: dict[str, Any]) -> Any:
                             "re-create the data with this hpctrain's `hpctrain shard`")
         return load_tokenizer("bytes")
     rel = entry.get("file")
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute():
+    if not isinstance(rel, str) or not rel:
         raise DataError(f"{str(root / 'manifest.json')!r} names tokenizer {entry.get('name')!r} but no tokenizer "
-                        f"file inside {str(root)!r} (file {rel!r}); re-create the data with `hpctrain shard`, which "
-                        "stores the tokenizer beside the shards")
-    path = (root / rel).resolve()
-    if not path.is_relative_to(root.resolve()):
-        raise DataError(f"tokenizer file {rel!r} in {str(root / 'manifest.json')!r} points outside {str(root)!r}; "
-                        "refusing to read it")
+                        f"file inside {str(root)!r}; re-create the data with `hpctrain shard`, which stores the "
+                        "tokenizer beside the shards")
+    path = inside(root, rel)  # as every path a manifest names: relative, and never out of the data directory
     if not path.is_file():
         raise DataError(f"tokenizer file {str(path)!r} named by {str(root / 'manifest.json')!r} is missing; "
                         "copy it back or re-create the data with `hpctrain shard`")
@@ -95,13 +91,12 @@ def load_lm(run_dir: Path) -> tuple[Any, Any, int]:
                               f"{run_dir} --model gpt`); model.pt is written when training finishes")
     spec, data = read_run(run_dir)
     shardset = load_manifest(data)
-    manifest = shardset.manifest
-    if manifest.get("task") != LM_TASK:
+    if shardset.task != "lm":
         raise ConfigError(f"run {str(run_dir)!r} is not a language model: its data {str(data)!r} holds samples "
-                          f"and labels (task {manifest.get('task', 'classification')!r}), not tokens; generate "
-                          "needs a run trained on text shards (`hpctrain shard text:FILE DATA`)")
-    seq_len, vocab_size = int(manifest["seq_len"]), int(manifest["vocab_size"])
-    tokenizer = lm_tokenizer(shardset.root, manifest)
+                          f"and labels (task {shardset.task!r}), not tokens; generate needs a run trained on text "
+                          "shards (`hpctrain shard text:FILE DATA`)")
+    seq_len, vocab_size = shardset.seq_len, shardset.num_classes
+    tokenizer = lm_tokenizer(shardset.root, shardset.manifest)
     model = build_lm(spec, seq_len, vocab_size)
     try:
         state = torch.load(weights, map_location="cpu", weights_only=True)
