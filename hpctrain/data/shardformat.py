@@ -2,7 +2,8 @@
 
 A shard set is `OUT/manifest.json` plus `OUT/{train,val}/shard-*.h5`. This module owns the manifest's
 constants and entry names, the shard file names, `load_manifest` (which checks the manifest and refuses
-paths that leave the dataset directory) and `verify` (the files against the manifest's sizes and sha256).
+paths that leave the dataset directory) and `verify` (the files against the manifest's sizes and sha256, and
+the rows of a language-model dataset against its packing rule).
 The writer is `sharding`; the per-rank reader is `reader`.
 """
 
@@ -14,7 +15,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import AbstractSet, Any
 
 import numpy as np
 
@@ -170,13 +171,15 @@ def load_manifest(root: Path | str) -> ShardSet:
 
 
 def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False) -> list[str]:
-    """Re-hash every shard (or, with `quick`, check sizes and datasets only); return the problems found."""
+    """Re-hash every shard (or, with `quick`, check sizes and datasets only); return the problems found.
+    Without `quick`, the rows of a language-model dataset are checked too (`lm_row_problems`)."""
     import h5py
 
     from ..base.progress import Progress
 
     shardset = load_manifest(root)
     problems: list[str] = []
+    broken: set[Path] = set()  # unreadable or of the wrong size: the row check leaves their split alone
     everything = [f for files in shardset.splits.values() for f in files]
     with Progress(len(everything), "verify", enabled=show_progress, unit="files") as bar:
         for f in everything:
@@ -186,11 +189,124 @@ def verify(root: Path | str, *, quick: bool = False, show_progress: bool = False
                     n = {name: h5[name].shape[0] for name in shardset.datasets()}
             except (OSError, KeyError) as exc:
                 problems.append(f"{f.path}: unreadable or missing a dataset ({exc})")
+                broken.add(f.path)
                 continue
             if set(n.values()) != {f.samples}:
                 problems.append(f"{f.path}: holds {n} samples, the manifest says {f.samples}")
+                broken.add(f.path)
             if not quick and sha256_file(f.path) != f.sha256:
                 problems.append(f"{f.path}: sha256 differs from the manifest (file changed or corrupt)")
+    if not quick and shardset.task == "lm":
+        problems += lm_row_problems(shardset, skip=broken, show_progress=show_progress)
+    return problems
+
+
+# -- the rows of a language-model dataset ----------------------------------------------------------------
+ROW_SLAB_BYTES = 16 << 20  # rows of x the row check reads at a time
+REMAKE = "the rows were stored wrong (a file's sha256 is taken after writing, so it cannot tell): " \
+         "re-create the data with `hpctrain shard`"
+
+
+def lm_row_problems(shardset: ShardSet, *, skip: AbstractSet[Path] = frozenset(),
+                    show_progress: bool = False) -> list[str]:
+    """What the stored rows of a language-model dataset break of the packing rule (`tokens`: row r is
+    stream[r * seq_len : r * seq_len + seq_len + 1] of the split's token stream, each document's tokens then
+    EOT). Per split: `index` numbers the rows 0..n-1 once each; every id is below vocab_size; row r + 1 starts
+    with the token row r ends with; the rows cover as many EOTs as the split's documents and dropped tail
+    allow, and end with EOT when nothing was dropped. Rows written wrong and then hashed pass the sha256 check
+    but rarely all of these. A split with a file in `skip` is left out. Memory: two tokens and a flag per
+    row, and ROW_SLAB_BYTES of rows at a time."""
+    from ..base.progress import Progress
+
+    problems: list[str] = []
+    splits = {split: files for split, files in shardset.splits.items() if not skip.intersection(f.path for f in files)}
+    with Progress(sum(map(len, splits.values())), "rows", enabled=show_progress, unit="files") as bar:
+        for split, files in splits.items():
+            problems += _split_row_problems(shardset, split, files, bar)
+    return problems
+
+
+def _split_row_problems(shardset: ShardSet, split: str, files: list[ShardFile], bar: Any) -> list[str]:
+    manifest, n = shardset.manifest, shardset.samples(split)
+    if n == 0:
+        return []
+    eot, vocab = int(manifest["eot_id"]), int(manifest["vocab_size"])
+    first, last = np.zeros(n, shardset.x_dtype), np.zeros(n, shardset.x_dtype)
+    seen = np.zeros(n, bool)
+    problems: list[str] = []
+    eots = 0  # EOTs of the stream the rows cover: those in row[1:] of every row, and row 0's first token
+    for f in files:
+        bar.update(1)
+        try:
+            for index, x in _row_slabs(f.path, shardset):
+                if ((index < 0) | (index >= n)).any() or seen[index].any():
+                    return [f"{f.path}: its index repeats a row or passes the {n} rows of split {split!r}: {REMAKE}"]
+                seen[index] = True
+                first[index], last[index] = x[:, 0], x[:, -1]
+                eots += int(np.count_nonzero(x[:, 1:] == eot))
+                if x.max() >= vocab and not any(str(f.path) in p for p in problems):
+                    r = int(np.argmax(x.max(axis=1)))
+                    problems.append(f"{f.path}: row {int(index[r])} holds id {int(x[r].max())}, not below the "
+                                    f"vocabulary size {vocab}: {REMAKE}")
+        except (OSError, KeyError) as exc:
+            return [f"{f.path}: cannot read its rows ({exc}): {REMAKE}"]
+    if not seen.all():
+        return [f"split {split!r}: row {int(np.argmin(seen))} is in none of its shards' index: {REMAKE}"]
+    bad = np.flatnonzero(last[:-1] != first[1:])
+    if bad.size:
+        r = int(bad[0])
+        more = f" ({bad.size - 1} more rows do not join the row before them)" if bad.size > 1 else ""
+        problems.append(f"split {split!r}: row {r} ends with token {last[r]} but row {r + 1} (in "
+                        f"{_holder(files, r + 1)}) starts with {first[r + 1]}; consecutive rows share one token"
+                        f"{more}: {REMAKE}")
+    return problems + _eot_problems(shardset, split, eots + int(first[0] == eot), int(last[-1]))
+
+
+def _row_slabs(path: Path, shardset: ShardSet) -> Any:
+    """(index, x) of a shard file, a whole number of HDF5 chunks of rows at a time."""
+    import h5py
+
+    chunk = int(shardset.manifest.get("chunk_rows", 1))
+    row_bytes = max(1, int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize)
+    step = max(1, ROW_SLAB_BYTES // (row_bytes * chunk)) * chunk
+    with h5py.File(path, "r", locking=reader_locking()) as h5:
+        x, index = h5["x"], h5["index"]
+        for a in range(0, x.shape[0], step):
+            yield index[a:a + step], x[a:a + step]
+
+
+def _holder(files: list[ShardFile], row: int) -> str:
+    """The file whose index holds `row` (read again only to name it in a problem)."""
+    import h5py
+
+    for f in files:
+        with h5py.File(f.path, "r", locking=reader_locking()) as h5:
+            if np.any(h5["index"][()] == row):
+                return str(f.path)
+    return "no file"
+
+
+def _eot_problems(shardset: ShardSet, split: str, eots: int, last_token: int) -> list[str]:
+    """The EOTs of the covered stream against the split's counts. Every document ends with one EOT and the
+    `dropped_tokens` tail (the stream's end, so its last token is an EOT) holds 1..dropped of them: so at least
+    documents - dropped are covered; with the bytes tokenizer, whose text never yields the EOT id, at most
+    documents - 1 when a tail was dropped (documents when none). A subword tokenizer may read EOT from the text."""
+    from .tokens import BYTES_SHA256
+
+    body = shardset.manifest["splits"][split]
+    eot, docs, dropped = int(shardset.manifest["eot_id"]), body.get("documents"), body.get("dropped_tokens")
+    if docs is None or dropped is None:
+        return []
+    low = docs - min(dropped, docs)
+    high = docs - (dropped > 0) if shardset.manifest.get("tokenizer", {}).get("sha256") == BYTES_SHA256 else None
+    problems = []
+    if eots < low or (high is not None and eots > high):
+        allowed = f"{low}..{high}" if high is not None else f"at least {low}"
+        problems.append(f"split {split!r}: its rows hold {eots} end-of-document tokens (id {eot}) where its {docs} "
+                        f"documents, {dropped} tokens dropped at the end, allow {allowed}: {REMAKE}")
+    if dropped == 0 and last_token != eot:
+        problems.append(f"split {split!r}: its last row ends with token {last_token}, not the end-of-document token "
+                        f"{eot}, though no tokens were dropped: {REMAKE}")
     return problems
 
 

@@ -222,7 +222,8 @@ class PackStats:
 class Packer:
     """Joins token arrays into one stream and cuts it into rows of seq_len + 1 tokens (see the module
     docstring), handed out in blocks of exactly `block_rows` rows by `add`, the last, shorter block by
-    `finish`. Holds one block's worth of tokens, whatever it is fed."""
+    `finish`. Holds one block's worth of tokens, whatever it is fed; every block it hands out is a new array
+    (never a view of that buffer), the caller's to keep or pass to another thread."""
 
     seq_len: int
     dtype: np.dtype = np.dtype(np.uint16)
@@ -257,9 +258,12 @@ class Packer:
         return blocks
 
     def _rows(self, rows: int) -> np.ndarray:
+        """The first `rows` rows of the buffer, in memory of their own: the buffer is refilled at once, while
+        the block may still wait for a writer thread. Always a copy (rows overlap by one token, so a block
+        cannot be the buffer itself); `np.ascontiguousarray` would hand back a view for one row."""
         view = np.lib.stride_tricks.sliding_window_view(self._buf[:rows * self.seq_len + 1], self.seq_len + 1)
         self.stats.rows += rows
-        return np.ascontiguousarray(view[::self.seq_len])
+        return view[::self.seq_len].copy(order="C")
 
     def finish(self) -> np.ndarray | None:
         """The rows left (fewer than a block; None when there are none), the rest counted as dropped."""

@@ -14,7 +14,7 @@ import pytest
 
 from hpctrain.base.durable import sha256_file
 from hpctrain.base.errors import ConfigError, DataError
-from hpctrain.data.shardformat import load_manifest
+from hpctrain.data.shardformat import load_manifest, verify
 from hpctrain.data.text import is_val, open_documents, pieces_of, split_documents
 from hpctrain.data.tokens import (BYTES_SHA256, EOT_TEXT, BytesTokenizer, Packer, PackStats, load_tokenizer, pack,
                                   token_dtype, tokenize, train_bpe)
@@ -284,6 +284,7 @@ def test_write_token_shards(tmp_path: Path) -> None:
         np.testing.assert_array_equal(read_split(out, split), expected)
         assert body["target_tokens"] == len(expected) * 16
         assert body["dropped_tokens"] == body["tokens"] - (len(expected) * 16 + 1)
+    assert verify(out) == []  # the row check finds nothing wrong with rows packed right
     with pytest.raises(ConfigError, match="already exists"):
         write_token_shards(cfg)
     again = write_token_shards(dataclasses.replace(cfg, force=True))
@@ -303,6 +304,7 @@ def test_write_token_shards_jsonl_bpe_and_failures(tmp_path: Path) -> None:
     assert manifest["eot_id"] == tok.eot_id and manifest["vocab_size"] == tok.vocab_size
     rows = read_split(cfg.out, "train")
     assert tok.decode(rows[:, :-1].ravel()).startswith("line 0 of the corpus")
+    assert verify(cfg.out) == []  # a subword tokenizer: the row check holds too
     # a bad line late in the file: an error naming it, and nothing written
     with open(path, "a") as fh:
         fh.write('{"txt": "oops"}\n')
