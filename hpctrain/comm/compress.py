@@ -118,9 +118,10 @@ class PowerSGD:
     def state_dict(self) -> dict[str, Any]:
         return {"errors": dict(self.errors), "qs": dict(self.qs)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
-        self.qs = {int(k): v.clone() for k, v in state["qs"].items()}
+    def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
+        """Restore `state_dict()` onto `device` (that of the gradients; None: where the tensors are)."""
+        self.errors = _on(state["errors"], device)
+        self.qs = _on(state["qs"], device)
 
 
 class TopK:
@@ -157,6 +158,12 @@ class TopK:
     def state_dict(self) -> dict[str, Any]:
         return {"errors": dict(self.errors)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
+    def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
+        """Restore `state_dict()` onto `device` (that of the gradients; None: where the tensors are)."""
+        self.errors = _on(state["errors"], device)
+
+
+def _on(tensors: dict[Any, Any], device: Any) -> dict[int, Any]:
+    """Copies of a checkpoint's per-bucket tensors on `device` (never aliasing the loaded state)."""
+    return {int(k): (v.to(device, copy=True) if device is not None else v.clone()) for k, v in tensors.items()}
 

@@ -150,7 +150,7 @@ class GradSync:
         self._leaders: Comm | None = None
         if hierarchical and comm.size > 1:
             self._local, self._leaders = _node_groups(comm, node_key)
-        self._staging = self.device.type == "cuda" and not self._cuda_aware_confirmed()
+        self._staging = self._needs_staging()
         self._queue: queue.Queue[Bucket | None] = queue.Queue()
         self._error: BaseException | None = None
         self._launched = 0
@@ -168,6 +168,9 @@ class GradSync:
         self.postscale = 1.0
         # Or: a callable giving (prescale, postscale), asked once per step when its first gradient is ready.
         self.scale_fn: Callable[[], tuple[float, float]] | None = None
+        # The loss scale the gradients carry (fp16), set before each backward; None: no loss scaling. Only the
+        # compressors need it: their error feedback must not store scaled, possibly overflowed, gradients.
+        self.loss_scale: float | None = None
         self._in_round = False
 
     @property
@@ -231,8 +234,9 @@ class GradSync:
         return self.compressor.state_dict() if self.compressor is not None else None
 
     def load_compressor_state(self, state: dict[str, Any]) -> None:
+        """Restore `compressor_state()`; its tensors move to this sync's device (a checkpoint loads on the CPU)."""
         if self.compressor is not None:
-            self.compressor.load_state_dict(state)
+            self.compressor.load_state_dict(state, self.device)
 
     def grad_tensors(self) -> list[Any]:
         """The memory that holds the summed gradients after `wait()` (to unscale or check them)."""
@@ -342,25 +346,33 @@ class GradSync:
             if self._error is None:
                 self._error = exc
 
-    def _cuda_aware_confirmed(self) -> bool:
-        """The MPI says it is CUDA-aware and one small GPU allreduce at start-up gives the right sum."""
+    def _needs_staging(self) -> bool:
+        """Whether device gradients go through pinned host buffers: on a GPU rank whose MPI is not CUDA-aware,
+        or whose start-up probe (one small allreduce from GPU memory, which must give the right sum) failed.
+
+        Every rank takes part in the probe, a CPU rank or a staging one from host memory: it used to run on CUDA
+        ranks only, so a job with a rank that sees no GPU mismatched every collective after it."""
         import torch
 
-        if not cuda_aware():
+        cuda = self.device.type == "cuda"
+        if self.comm.size == 1:
+            return cuda  # nothing is ever sent
+        direct = cuda and cuda_aware()
+        if cuda and not direct:
             self.notes.append("MPI is not CUDA-aware: staging gradients through pinned host buffers")
-            return False
         MPI = load_mpi()
-        probe = torch.ones(4, device=self.device)
+        probe = torch.ones(4, device=self.device if direct else "cpu")
         try:
-            torch.cuda.synchronize(self.device)
-            self.comm.mpi.Allreduce(MPI.IN_PLACE, probe, op=MPI.SUM)
-            ok = bool((probe == self.comm.size).all())
-        except Exception as exc:  # noqa: BLE001 - any failure means: stage through the host
+            self.comm.mpi.Allreduce(MPI.IN_PLACE, buffer_spec(probe, MPI), op=MPI.SUM)
+        except Exception as exc:  # noqa: BLE001 - from GPU memory, any failure means: stage through the host
+            if not direct:
+                raise
             self.notes.append(f"CUDA-aware allreduce failed at start-up ({exc}): staging through the host")
-            return False
-        if not ok:
+            return True
+        if direct and not bool((probe == self.comm.size).all()):
             self.notes.append("CUDA-aware allreduce gave a wrong sum at start-up: staging through the host")
-        return ok
+            return True
+        return cuda and not direct
 
     def _reduce(self, bucket: Bucket) -> None:
         import torch
@@ -373,20 +385,12 @@ class GradSync:
             bucket.host.copy_(flat, non_blocking=False)
             self._reduce_host(bucket.host, bucket, MPI)
             flat.copy_(bucket.host, non_blocking=False)
-        elif self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-            self._reduce_host(flat, bucket, MPI)
-        else:
+        else:  # CUDA-aware or CPU: MPI reads the bucket itself (buffer_spec orders it after the stream's kernels)
             self._reduce_host(flat, bucket, MPI)
 
     def _reduce_host(self, flat: Any, bucket: Bucket, MPI: Any) -> None:
-        if self.compressor is not None:  # low rank or sparse, with error feedback
-            if self.prescale != 1.0:
-                flat.mul_(self.prescale)
-            self._wire_round += self.compressor.reduce(bucket.index, flat, bucket.params,
-                                                       lambda buf: self._sum(buf, MPI.SUM, MPI))
-            if self.postscale != 1.0:
-                flat.mul_(self.postscale)
+        if self.compressor is not None:
+            self._reduce_compressed(flat, bucket, MPI)
             return
         self._wire_round += flat.numel() * (flat.element_size() if self.compress == "none" else 2)
         if self.compress == "none":
@@ -405,6 +409,32 @@ class GradSync:
         torch.mul(flat, self.prescale / self.comm.size, out=bucket.wire)
         self._sum(bucket.wire, sum_op(self.compress, MPI), MPI)
         flat.copy_(bucket.wire).mul_(self.comm.size * self.postscale)
+
+    def _reduce_compressed(self, flat: Any, bucket: Bucket, MPI: Any) -> None:
+        """Low rank or sparse, with error feedback. The compressor sees the gradient without the loss scale,
+        so its state (errors, warm starts) stays in the gradient's own units when the scale changes; under a
+        loss scale, a bucket that holds an inf or NaN on any rank (an fp16 overflow: the step will be skipped)
+        leaves every rank's state untouched, and the bucket becomes NaN on every rank so that the scaler's
+        check skips the step everywhere. Deciding that costs one 8-byte allreduce per bucket, only then."""
+        scaled = self.loss_scale is not None
+        if scaled and not self._finite_everywhere(flat):
+            flat.fill_(float("nan"))
+            return
+        unscale = self.prescale / (self.loss_scale if scaled else 1.0)
+        if unscale != 1.0:
+            flat.mul_(unscale)
+        self._wire_round += self.compressor.reduce(bucket.index, flat, bucket.params,
+                                                   lambda buf: self._sum(buf, MPI.SUM, MPI))
+        rescale = self.postscale * (self.loss_scale if scaled else 1.0)
+        if rescale != 1.0:
+            flat.mul_(rescale)
+
+    def _finite_everywhere(self, flat: Any) -> bool:
+        """Whether no rank's part of this bucket holds an inf or NaN (the same answer on every rank)."""
+        import torch
+
+        bad = 0.0 if bool(torch.isfinite(flat).all()) else 1.0
+        return self.comm.allreduce_array([bad], op="max")[0] == 0.0
 
     def _sum(self, buf: Any, op: Any, MPI: Any) -> None:
         """In-place sum of `buf` over all ranks: flat, hierarchical or in a fixed order."""

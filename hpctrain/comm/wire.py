@@ -12,9 +12,17 @@ import numpy as np
 
 
 def buffer_spec(tensor: Any, MPI: Any) -> Any:
-    """An mpi4py buffer spec over a tensor's memory, without a copy."""
+    """An mpi4py buffer spec over a tensor's memory, without a copy.
+
+    Every tensor the comm layer hands to MPI passes through here (tests/unit/test_wire.py checks that), so this is
+    where a CUDA tensor's stream is synchronized: the kernels queued on it so far (the gradients, a cast to the
+    wire format, a prescale, a `torch.cat`, PowerSGD's matmuls, top-k's values and indices) have all finished
+    before MPI reads the memory, whatever its transport's ordering against torch's stream.
+    """
     import torch
 
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
     if tensor.dtype in (torch.bfloat16, torch.float16):
         raw = tensor.view(torch.int16)
         return [raw if raw.is_cuda else raw.numpy(), half_type(MPI)]

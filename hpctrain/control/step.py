@@ -67,6 +67,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     clock.lap("zero")
     loss_value = 0.0
     scale = scaler.scale if scaler is not None else 1.0
+    sync.loss_scale = scaler.scale if scaler is not None else None  # what the summed gradients carry
     bounds = np.linspace(0, len(y), accumulate + 1).astype(int) if accumulate > 1 else (0, len(y))
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]

@@ -14,3 +14,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "comm_check.py"
 def test_gradient_sync_and_broadcast(n: int) -> None:
     proc = mpirun(n, [str(SCRIPT)], python_module=False, timeout=240)
     assert f"COMM OK {n} cpu" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_every_rank_takes_part_in_the_start_up_probe_whatever_its_device() -> None:
+    proc = mpirun(2, [str(Path(__file__).parent / "scripts" / "probe_check.py")], python_module=False, timeout=120)
+    assert proc.stdout.count("PROBE OK") == 2, proc.stdout + proc.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpctrain, summary
+from conftest import hpctrain, mpirun, summary
 
 pytestmark = pytest.mark.mpi
 ARGS = ["--model", "mlp:256,256", "--batch-size", "16", "--seed", "2", "--epochs", "50", "--json"]
@@ -46,3 +46,11 @@ def test_compression_that_needs_whole_gradients_is_refused_with_zero(tmp_path: P
     proc = hpctrain(["train", "--data", str(digits2), "--run-dir", str(tmp_path / "r"), "--grad-compression",
                      "topk:2"], check=False)
     assert proc.returncode != 0 and "topk[:FRACTION]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fp16_overflow_with_powersgd_or_topk_skips_one_step_and_keeps_learning() -> None:
+    """The error feedback used to store the overflowed (inf/NaN) gradient: every later step was skipped and the
+    loss scale halved towards 0, silently; and it stored scaled gradients, wrong once the scale changed."""
+    proc = mpirun(2, [str(Path(__file__).parent / "scripts" / "compress_scaler_check.py")], python_module=False,
+                  timeout=120)
+    assert proc.stdout.count("COMPRESS SCALER OK") == 2, proc.stdout + proc.stderr
