@@ -17,6 +17,12 @@ from ..base.config import TrainConfig
 from ..base.errors import CheckpointError
 from ..comm import checkpoint_entries, load_entries
 
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
 # what may change between the segments of one run without changing what it computes
 NOT_A_CHANGE = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep",
                 "stage_to", "keep_staged"}
@@ -42,6 +48,17 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if k not in NOT_A_CHANGE and old.get(k) != new.get(k)]
 
 
+def thread_change(saved: int | None) -> list[str]:
+    """The warning for a resume on another number of torch threads per rank (empty when the same or unknown):
+    torch's CPU kernels split their sums by thread, so the run goes on correctly but no longer bit for bit."""
+    now = _threads()
+    if saved is None or int(saved) == now:
+        return []
+    return [f"torch threads per rank: {saved} -> {now} (the CPUs per rank changed): the run continues correctly, "
+            "but not bit-identical to an uninterrupted run on one thread count; give each rank the CPUs it had "
+            "(--cpus-per-task, or the same ranks per node) for an exact resume"]
+
+
 def restore(run: Any) -> dict[str, int]:
     """Load the checkpoint's state into the run (RNG streams only on the world size that wrote them); say what
     changed since. Returns every audit file's line count at the checkpoint."""
@@ -54,6 +71,7 @@ def restore(run: Any) -> dict[str, int]:
         changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
                        f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
                        "on, the learning rate follows the new plan")
+    changes += thread_change(meta.get("torch_threads"))
     for change in changes:
         run.log.warning("config changed since the checkpoint: %s", change)
         if comm.rank == 0:
@@ -92,5 +110,6 @@ def state(run: Any, sink: Any, epoch: int, in_epoch: int, segments: list[tuple[i
         rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
         meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
               "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
-              "config": run.cfg.to_dict(), "schedule_steps": run.total_steps},
+              "config": run.cfg.to_dict(), "schedule_steps": run.total_steps,
+              "torch_threads": _threads()},
     )

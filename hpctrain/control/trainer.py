@@ -108,6 +108,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     # every wait on other ranks from here on is watched; heartbeat files once the run directory exists
     watchdog = stack.enter_context(Watchdog(None, comm.rank, comm.size, timeout=cfg.collective_timeout,
                                             abort=comm.abort).start())
+    watchdog.at_edge(edge_budget(cfg.collective_timeout))  # start-up, until the first step is done
     cancel_deadline()  # MPI is up and the watchdog watches from here
     shardset, model, device, resume_path, warnings, plan = _check_inputs(cfg, comm, env, watchdog)
     log = _open_run_dir(cfg, comm, env, device, watchdog, stack, warnings)
@@ -180,6 +181,7 @@ class Outcome:
     epoch_loss: float = 0.0  # this rank's summed loss and samples in the current epoch
     epoch_n: float = 0.0
     last_val: dict[str, float] = field(default_factory=dict)
+    paused: float = 0.0  # seconds of validation inside the loop (not training: the rates leave them out)
     val_step: int = -1  # the step whose model last_val measured
     stop_signal: int | None = None
 
@@ -321,7 +323,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     if cfg.max_steps:
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
-    watchdog.phase("start-up: gradient sync (ZeRO times its collectives here)", start.step)
+    watchdog.phase("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""), start.step)
     sync, optimizer = make_sync(cfg, model, comm, overlap)
     stack.callback(sync.close)
     watchdog.idle()
@@ -365,6 +367,8 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
                               rows * run.rates.targets, clip_grad=cfg.clip_grad, device=run.device,
                               accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler)
             watchdog.idle()
+            if out.step == start.step:  # the first step is done: the steady state's deadline from here on
+                watchdog.at_edge(None)
             run.scheduler.step()
             out.step, in_epoch, out.samples = out.step + 1, in_epoch + 1, out.samples + rows
             out.epoch_loss, out.epoch_n = out.epoch_loss + loss, out.epoch_n + batch.y.size  # per target
@@ -401,10 +405,14 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
     ended = time.perf_counter()
     extra: dict[str, float] = {"wire_bytes_per_step": run.sync.wire_bytes}  # this rank's gradient payload
     if end_of_epoch and run.val_reader is not None:
+        started = time.perf_counter()
+        watchdog.at_edge(edge_budget(run.cfg.collective_timeout))  # its reduction waits for the slowest rank's pass
         out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=out.step,
                                 precision=run.cfg.precision)
+        watchdog.at_edge(None)
         out.last_val.update(run.rates.validation(out.last_val))
         out.val_step = out.step
+        out.paused += time.perf_counter() - started
         extra.update(out.last_val)
     if end_of_epoch:
         watchdog.phase("epoch loss reduction", out.step)
@@ -415,14 +423,13 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
     sink.write(out.step, epoch, loss_tot, n_tot, run.scheduler.get_last_lr()[0], extra, ended=ended)
 
 
-def _lm_summary(run: Run, out: Outcome, train_time: float) -> dict[str, Any]:
+def _lm_summary(run: Run, out: Outcome, samples_per_s: float) -> dict[str, Any]:
     """A language model's figures: tokens/s, MFU and both of its inputs, perplexity, bits per byte."""
     if run.rates.targets == 1:
         return {}
-    rates = run.rates.extra(out.samples / max(train_time, 1e-9))
-    return {**rates, "flops_per_token": run.rates.flops_per_token, "peak_flops": run.rates.peak_flops,
-            "seq_len": run.rates.targets, **{k: out.last_val.get(k) for k in ("val_perplexity", "val_bits_per_byte")},
-            "skipped_steps": run.scaler.skipped if run.scaler is not None else 0}
+    return {**run.rates.extra(samples_per_s), "flops_per_token": run.rates.flops_per_token,
+            "peak_flops": run.rates.peak_flops, "seq_len": run.rates.targets,
+            **{k: out.last_val.get(k) for k in ("val_perplexity", "val_bits_per_byte")}}
 
 
 def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
@@ -431,6 +438,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     import torch
 
     cfg, comm, watchdog, step = run.cfg, run.comm, run.watchdog, out.step
+    watchdog.at_edge(edge_budget(cfg.collective_timeout))  # the end: the final validation is each rank's own work
     if out.stop_signal is not None:
         name = signal.Signals(out.stop_signal).name
         run.log.warning("stopped by %s at step %d; checkpoint written", name, step)
@@ -439,6 +447,9 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     if STOP.requested:  # came after the last step's boundary: nothing left to stop, the run is complete
         run.log.warning("%s arrived after the last step; the run completed", signal.Signals(STOP.signum).name)
     train_time = time.perf_counter() - out.started
+    # the rates count training only, as the per-window ones do: not validation, not checkpoint stalls
+    paused = out.paused + run.manager.stall_seconds
+    samples_per_s = out.samples / max(train_time - paused, 1e-9) if out.samples else None
     if out.val_step != step and run.val_reader is not None:  # the final model's, not an earlier epoch's
         out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step, precision=cfg.precision)
         out.last_val.update(run.rates.validation(out.last_val))
@@ -453,12 +464,13 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "world_size": comm.size, "epochs": math.ceil(step / max(1, run.reader.steps_per_epoch)), "steps": step,
         "global_batch_size": cfg.batch_size * cfg.accumulate * comm.size, "train_loss": final_loss,
         "val_loss": out.last_val.get("val_loss"), "val_accuracy": out.last_val.get("val_accuracy"),
-        "samples_per_s": out.samples / max(train_time, 1e-9) if out.samples else None, "train_time_s": train_time,
+        "samples_per_s": samples_per_s, "train_time_s": train_time, "paused_s": paused,
         "param_sha256": digest, "ranks_in_sync": len(set(hashes)) == 1, "resumed_from": run.start.resumed_from,
         "model": cfg.model, "data": str(cfg.data), "data_fingerprint": run.shardset.fingerprint,
         "staged_bytes": run.staged.total_bytes, "staging_s": run.staged.max_seconds, "precision": cfg.precision,
         "grad_compression": cfg.grad_compression, "wire_bytes_per_step": run.sync.wire_bytes,
-        "zero": cfg.zero, **_lm_summary(run, out, train_time),
+        "zero": cfg.zero, "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
+        "torch_threads": torch.get_num_threads(), **_lm_summary(run, out, samples_per_s or 0.0),
         "checkpoint": {"saves": m.saves, "stall_s": m.stall_seconds, "write_s": m.write_seconds,
                        "write_cpu_s": m.write_cpu_seconds,
                        "async_stall_median_s": statistics.median(m.async_stalls) if m.async_stalls else None,

@@ -36,6 +36,7 @@ class Watchdog:
         self.abort, self.log, self.interval = abort, log, interval
         self._phase: str | None = None
         self._budget = timeout
+        self._edge: float | None = None  # the default budget while at an edge of the run (see `at_edge`)
         self._step = 0
         self._since = time.time()
         self._stop = threading.Event()
@@ -66,10 +67,21 @@ class Watchdog:
 
     def phase(self, name: str, step: int | None = None, budget: float | None = None) -> None:
         """Entering the wait `name` at `step` (None: the step of the last phase); it may take `budget`
-        seconds (default: the collective timeout; 0: unwatched)."""
+        seconds (default: the collective timeout, or the edge budget at an edge of the run; 0: unwatched)."""
         self._step, self._since = self._step if step is None else step, time.time()
-        self._budget = self.timeout if budget is None else budget
+        default = self.timeout if self._edge is None else self._edge
+        self._budget = default if budget is None else budget
         self._phase = name
+
+    def at_edge(self, budget: float | None) -> None:
+        """From now on, waits get `budget` by default instead of the collective timeout (None: back to it).
+
+        At the start of a run (until its first step is done) and at its end, a wait on the other ranks also
+        holds their own unequal work: building the model and the buckets, the first step's allocations, the
+        final validation; on a busy node that is seconds, and a short --collective-timeout, right for the
+        steady state, would abort a healthy job (stop.edge_budget: at least EDGE_FLOOR_S). A rank that is dead
+        or stopped there is still found sooner by its silent heartbeat."""
+        self._edge = budget
 
     def idle(self) -> None:
         self._phase = None
@@ -149,7 +161,7 @@ class Watchdog:
             if (self.dir is not None and 0 < self.timeout < waited and (budget <= 0 or budget > self.timeout)
                     and now >= next_look):
                 next_look = now + 5 * self.interval
-                silent = self._silent(now, self.timeout)
+                silent = self._silent(now, max(self.timeout, 3 * self.interval))  # a beat can be a little late
                 if silent:
                     self._fire(f"rank {self.rank}: {phase} at step {self._step} has waited {waited:.0f} s for "
                                f"{', '.join(silent)} (over --collective-timeout {self.timeout:g} s); aborting the job")

@@ -202,3 +202,18 @@ def test_a_short_collective_timeout_does_not_abort_a_healthy_start_or_exit(digit
                           env=mpi_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
     assert summary(run)["steps"] == 3
+
+
+def test_a_rank_slower_in_its_own_start_up_or_validation_is_not_a_hang(digits2: Path, tmp_path: Path) -> None:
+    """Found under load (a busy node): a start-up collective ("start-up: gradient sync") aborted a healthy job
+    with --collective-timeout 1, since only MPI_Init and MPI_Finalize had the edge floor. Rank 1 here takes 3 s
+    longer to build its model and to run its first validation pass; the others wait for it in collectives.
+    The run's edges (start-up to the first step, validation, the end) get stop.edge_budget; the steady state
+    keeps the collective timeout (tests above)."""
+    run = tmp_path / "r"
+    proc = subprocess.run([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--data", str(digits2),
+                           "--run-dir", str(run), "--epochs", "2", "--collective-timeout", "1",
+                           "--model", f"{SCRIPTS / 'uneven_model.py'}:factory"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert summary(run)["steps"] == 2 * 23 and summary(run)["val_accuracy"] is not None

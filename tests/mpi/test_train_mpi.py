@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hpctrain, mpirun, summary
+from conftest import hpctrain, mpi_env, mpirun, summary
 from hpctrain.data.reader import ShardReader
 from hpctrain.data.shardformat import load_manifest
 from hpctrain.compute.models import build_model
@@ -105,3 +105,27 @@ def test_world_size_that_does_not_divide_shards_is_refused(digits2: Path, tmp_pa
     assert proc.stderr.count("cannot share evenly") == 1  # one line, from rank 0 only
     assert "Traceback" not in proc.stderr
     assert not run.exists()
+
+
+def test_the_summary_says_the_threads_and_a_resume_on_other_threads_warns(digits2: Path, tmp_path: Path) -> None:
+    """CPU results depend on torch's thread count (README "Bit-exact"): the same run gave one param_sha256 with 1
+    and 4 threads and another with 2, and nothing said which a run had. Now summary.json and checkpoints record
+    it, and a resume on another count says that the rest is no longer bit-identical."""
+    run = tmp_path / "r"
+    args = ["train", "--data", str(digits2), "--run-dir", str(run), "--batch-size", "16"]
+    hpctrain([*args, "--max-steps", "10"], env=mpi_env(SLURM_CPUS_PER_TASK="1"))
+    assert summary(run)["torch_threads"] == 1
+    proc = hpctrain([*args, "--max-steps", "20"], env=mpi_env(SLURM_CPUS_PER_TASK="2"))
+    assert summary(run)["torch_threads"] == 2 and summary(run)["resumed_from"] == 10
+    assert "torch threads per rank: 1 -> 2" in proc.stderr, proc.stderr
+
+
+def test_summary_rates_leave_out_validation_and_checkpoint_stalls(digits2: Path, tmp_path: Path) -> None:
+    """samples_per_s (and a language model's tokens_per_s and mfu) divided by a wall time that held every
+    validation pass and checkpoint stall; the per-window figures did not. Both are now in summary.json."""
+    run = tmp_path / "r"
+    hpctrain(["train", "--data", str(digits2), "--run-dir", str(run), "--epochs", "3", "--checkpoint-every", "1"])
+    s = summary(run)
+    assert s["paused_s"] >= s["checkpoint"]["stall_s"] > 0
+    samples = 3 * json.loads((digits2 / "manifest.json").read_text())["splits"]["train"]["samples"]  # 3 epochs
+    assert s["samples_per_s"] == pytest.approx(samples / (s["train_time_s"] - s["paused_s"]), rel=1e-9)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpctrain, summary
+from conftest import hpctrain, mpi_env, summary
 from hpctrain.base.config import read_toml
 from hpctrain.tools.slurm.core import read_record
 from hpctrain.tools.slurm.status import job_status
@@ -91,8 +91,12 @@ def test_a_signalled_element_requeues_alone_and_resumes_bit_identical(slurm_clus
     assert events == ["start", "ranks_stopped", "requeued", "start", "completed"], events
     got = summary(run / "seed=1")
     assert got["resumed_from"] is not None and 0 < got["resumed_from"] < got["steps"]
+    # the reference on the threads the element had (the local cluster's nodes declare 4 CPUs: --cpus-per-task
+    # auto gives 4; this machine has 2): bit-exactness holds for the same threads per rank (README "Bit-exact")
     ref = tmp_path / "ref"
-    hpctrain(["train", "--data", str(digits2), "--run-dir", str(ref), "--seed", "1", *args], timeout=300)
+    hpctrain(["train", "--data", str(digits2), "--run-dir", str(ref), "--seed", "1", *args], timeout=300,
+             env=mpi_env(SLURM_CPUS_PER_TASK=str(got["torch_threads"])))
+    assert summary(ref)["torch_threads"] == got["torch_threads"]
     assert got["param_sha256"] == summary(ref)["param_sha256"]
     assert summary(run / "seed=2")["resumed_from"] is None
 
