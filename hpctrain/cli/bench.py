@@ -34,12 +34,21 @@ def _relaunch(n: int) -> None:
         raise typer.Exit(launch(n, cleaned))
 
 
+def _exit_budget(collective_timeout: float) -> None:
+    """As train: the process is gone within the edge budget after the benchmark, even if MPI_Finalize waits
+    for a rank that is stuck."""
+    from ..base.stop import FLAG, edge_budget
+
+    FLAG.exit_budget = edge_budget(collective_timeout)
+
+
 @app.command()
 @handle_errors
 def allreduce(
     sizes: Annotated[str, typer.Option(help="Message sizes in bytes (K, M, G suffixes).")] = "4K,64K,1M,16M,64M",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
     bucket_mb: Annotated[float, typer.Option(help="hpctrain bucket size in MiB.")] = 25.0,
+    collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Allreduce time, algorithm and bus bandwidth per size: hpctrain's bucketed sync beside raw mpi4py.
@@ -48,9 +57,11 @@ def allreduce(
     """
     _relaunch(n)
     from ..tools.bench import bench_allreduce, parse_size
-    from ..comm import world
+    from ..tools.benchwatch import watched
 
-    result = bench_allreduce(world(), [parse_size(s) for s in sizes.split(",") if s.strip()], bucket_mb=bucket_mb)
+    _exit_budget(collective_timeout)
+    with watched(collective_timeout) as comm:
+        result = bench_allreduce(comm, [parse_size(s) for s in sizes.split(",") if s.strip()], bucket_mb=bucket_mb)
     if not is_rank0():
         return
     if json_out:
@@ -82,6 +93,7 @@ def train(
     zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1 or 2: timed beside stage 0 instead of DDP).")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw; lr 0.01.")] = "sgd",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
+    collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Training step time of hpctrain beside torch DDP (gloo), one-rank scaling, sync vs raw allreduce, and
@@ -101,11 +113,14 @@ def train(
         grad_compression = compress
     _relaunch(n)
     from ..tools.bench import bench_train
-    from ..comm import world
+    from ..tools.benchwatch import watched
 
-    result = bench_train(world(), model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
-                         rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap, compress=grad_compression,
-                         device=device, zero=zero, optimizer=optimizer, seq_len=seq_len, vocab=vocab)
+    _exit_budget(collective_timeout)
+    with watched(collective_timeout) as comm:
+        result = bench_train(comm, model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
+                             rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap,
+                             compress=grad_compression, device=device, zero=zero, optimizer=optimizer, seq_len=seq_len,
+                             vocab=vocab)
     if not is_rank0():
         return
     if json_out:
@@ -148,6 +163,7 @@ def data(
     epochs: Annotated[int, typer.Option(help="Epochs to time (median).")] = 2,
     shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Time the shuffled order.")] = True,
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 1,
+    collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Reader throughput beside a raw contiguous h5py read of the same shards.
@@ -156,11 +172,13 @@ def data(
     """
     _relaunch(n)
     from ..tools.bench import bench_data
+    from ..tools.benchwatch import watched
     from ..comm import Comm, world
     from ..base.rankenv import read_env
 
-    comm = world() if read_env().under_launcher else Comm(None)
-    result = bench_data(comm, directory, batch_size=batch_size, epochs=epochs, shuffle=shuffle)
+    _exit_budget(collective_timeout)
+    with watched(collective_timeout, world if read_env().under_launcher else lambda: Comm(None)) as comm:
+        result = bench_data(comm, directory, batch_size=batch_size, epochs=epochs, shuffle=shuffle)
     if not is_rank0():
         return
     if json_out:

@@ -25,7 +25,7 @@ import numpy as np
 from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
-
+from .benchwatch import progress
 
 def parse_size(text: str) -> int:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -41,11 +41,13 @@ def parse_size(text: str) -> int:
 
 
 def _median_time(comm: Comm, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    progress(f"timing {getattr(fn, '__name__', 'a step')}")
     for _ in range(warmup):
         fn()
     comm.barrier()
     times = []
     for _ in range(iters):
+        progress()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -154,9 +156,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         ddp_ms = statistics.median(other_times) * 1e3
         result["ddp"] = {"step_ms": ddp_ms, "samples_per_s": batch_size * comm.size / ddp_ms * 1e3}
         result["ddp_over_hpctrain"] = ddp_ms / hp_ms
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        progress("DDP teardown (gloo)")
+        torch.distributed.destroy_process_group()
     result.update(_scaling(comm, model, sync, opt, loss_fn, xs, ys, params, device, bucket_mb=bucket_mb, steps=steps,
                            rounds=rounds, global_n=global_n, hp_ms=hp_ms))
     # the limit: every rank computing the same step at once with no communication, plus one raw allreduce of
@@ -183,8 +184,10 @@ def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float) -
     """Where a step's time goes (ms per step, the slowest rank's per phase): zero, forward, backward, hooks,
     wait, optimizer, and `other` (data, Python, the rest of the step beside the timed one)."""
     phases: dict[str, float] = {}
+    progress("the phases of a step")
     comm.barrier()
     for _ in range(steps):
+        progress()
         step(phases)
     names = ("zero", "forward", "backward", "hooks", "wait", "optimizer")
     values = comm.allreduce_array([phases.get(k, 0.0) / steps * 1e3 for k in names], op="max")
@@ -318,6 +321,7 @@ def _ddp_baseline(comm: Comm, env: RankEnv, baseline: str | None, device: Any, f
                 s.bind(("", 0))
                 port = s.getsockname()[1]
         host, port = comm.bcast((socket.gethostname() if comm.size > env.local_size else "127.0.0.1", port))
+        progress("DDP start-up (gloo)")
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size)
         ddp_model = torch.nn.parallel.DistributedDataParallel(fresh_model())
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
@@ -367,7 +371,9 @@ def _sync_beside_raw(comm: Comm, sync: GradSync, params: int) -> dict[str, float
     raw_ms = _median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
 
     sync_times = []
+    progress("the sync alone")
     for _ in range(22):
+        progress()
         sync.zero()  # zeroing belongs to the next step, not to the sync: keep it out of the timing
         comm.barrier()
         t0 = time.perf_counter()
@@ -381,6 +387,7 @@ def _one_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync], N
                        steps: int, rounds: int) -> float:
     """Rank 0's step time with itself as the world (COMM_SELF), on every rank; the others wait meanwhile
     without spinning (an MPI barrier busy-polls and would steal rank 0's CPU)."""
+    progress("rank 0's step alone" if comm.rank == 0 else "waiting for rank 0 to time its step alone")
     if comm.rank == 0:
         solo = GradSync(model.parameters(), self_comm(), bucket_mb=bucket_mb)
         solo_times = []
@@ -389,6 +396,7 @@ def _one_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync], N
                 solo_step(solo)
             ts = []
             for _ in range(steps):
+                progress()
                 t0 = time.perf_counter()
                 solo_step(solo)
                 ts.append(time.perf_counter() - t0)
@@ -408,11 +416,13 @@ def _every_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync],
     slowest rank's median."""
     solo = GradSync(model.parameters(), self_comm(), bucket_mb=bucket_mb)
     times = []
+    progress("every rank's step alone")
     for _ in range(rounds):
         comm.barrier()
         for _ in range(2):
             solo_step(solo)
         for _ in range(steps):
+            progress()
             t0 = time.perf_counter()
             solo_step(solo)
             times.append(time.perf_counter() - t0)

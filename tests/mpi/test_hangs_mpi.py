@@ -217,3 +217,36 @@ def test_a_rank_slower_in_its_own_start_up_or_validation_is_not_a_hang(digits2: 
                           env=mpi_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
     assert summary(run)["steps"] == 2 * 23 and summary(run)["val_accuracy"] is not None
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_bench_whose_rank_is_stuck_ends_instead_of_hanging() -> None:
+    """`hpctrain bench` had no watchdog: one whose peer was stuck (its launcher had died) sat for an hour. Rank 1
+    is stopped once both ranks are measuring (each has spent 8 s of CPU: start-up takes 3-4 s of it); rank
+    0's watchdog ends the job --collective-timeout seconds later, naming what it was doing."""
+    proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "bench", "train", "-n", "2", "--model", "mlp:64", "--input-dim",
+                             "32", "--steps", "1000000", "--rounds", "1", "--baseline", "none", "--collective-timeout",
+                             "5"], env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        ranks: list[int] = []
+        while time.monotonic() < deadline:
+            ranks = _rank_pids(proc.pid)
+            if len(ranks) == 2 and min(_cpu_seconds(p) for p in ranks) >= 8:
+                break
+            time.sleep(0.2)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - stopped < 40
+        assert proc.returncode != 0 and "bench: timing" in err and "over --collective-timeout 5 s" in err, err
+    finally:
+        if proc.poll() is None:
+            from hpctrain.tools.launch import kill_tree
+            kill_tree(proc.pid)
+            proc.wait()
