@@ -83,6 +83,11 @@ class Watchdog:
         or stopped there is still found sooner by its silent heartbeat."""
         self._edge = budget
 
+    @property
+    def current(self) -> str | None:
+        """The wait this rank is in (None: none)."""
+        return self._phase
+
     def idle(self) -> None:
         self._phase = None
 
