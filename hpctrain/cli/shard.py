@@ -50,9 +50,10 @@ with_signature(shard, config_parameters(ShardConfig, arguments=("source", "out")
 @handle_errors
 def verify(
     out: Annotated[Path, typer.Argument(help="A directory written by `hpctrain shard`.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Check sizes and datasets only, skip the sha256 pass.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Check sizes and datasets only, skip the sha256 pass (and the row check of token shards).")] = False,
 ) -> None:
-    """Re-check every shard against the manifest; name any file that differs.
+    """Re-check every shard against the manifest (sizes, datasets, sha256; for token shards also that the rows
+    follow the packing rule); name any file that differs.
 
     Example: hpctrain verify data/
     """
