@@ -234,9 +234,10 @@ class GradSync:
         return self.compressor.state_dict() if self.compressor is not None else None
 
     def load_compressor_state(self, state: dict[str, Any]) -> None:
-        """Restore `compressor_state()`; its tensors move to this sync's device (a checkpoint loads on the CPU)."""
+        """Restore `compressor_state()`; its tensors move to the memory the compressor works on (a checkpoint
+        loads on the CPU): the gradients' device, or the host when device gradients are staged through it."""
         if self.compressor is not None:
-            self.compressor.load_state_dict(state, self.device)
+            self.compressor.load_state_dict(state, "cpu" if self._staging else self.device)
 
     def grad_tensors(self) -> list[Any]:
         """The memory that holds the summed gradients after `wait()` (to unscale or check them)."""

@@ -2,8 +2,13 @@
 
 Each rank builds the same model, fills gradients with a known rank-dependent function through a real
 backward, and checks that GradSync leaves exactly the sum over ranks in every .grad (as views of the
-buckets, so no copy), in every mode given on the command line.
+buckets, so no copy), in every mode given on the command line (`--device=cuda` for CUDA tensors).
+
+Also importable: benchmarks/gpu_paths_worker.py calls `run(mode, comm, device)` for each of `MODES` on
+the GPU, staged and CUDA-aware, and reads the returned (closed) GradSync's `staging`.
 """
+
+from __future__ import annotations
 
 import sys
 
@@ -11,12 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpctrain.comm import GradSync, world
+from hpctrain.comm import Comm, GradSync, world
 
-comm = world()
-rank, size = comm.rank, comm.size
-ARGS = [a for a in sys.argv[1:] if not a.startswith("--device=")]
-DEVICE = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--device=")), "cpu")  # cuda: benchmarks/gpu_check.sh
+MODES = ["blocking", "overlap", "fp16", "bf16", "hierarchical", "hierarchical-bf16", "deterministic",
+         "deterministic-fp16", "accumulate"]
 
 
 class Net(nn.Module):
@@ -33,9 +36,11 @@ class Net(nn.Module):
         return self.head(torch.relu(self.big(self.emb(self.emb(x)))))
 
 
-def run(mode: str) -> None:
+def run(mode: str, comm: Comm, device: str = "cpu") -> GradSync:
+    """Check one mode's sums over `comm` on `device`; returns its GradSync, closed."""
+    rank, size = comm.rank, comm.size
     torch.manual_seed(0)
-    model = Net().to(DEVICE)
+    model = Net().to(device)
     comm.broadcast_tensors(model.parameters())
     kwargs = {"bucket_mb": 8 / 1024, "overlap": mode != "blocking",
               "compress": mode.split("-")[-1] if mode.endswith(("fp16", "bf16")) else "none",
@@ -49,13 +54,13 @@ def run(mode: str) -> None:
         per_rank = []
         for r in range(size):  # every rank computes every rank's gradient, to know the expected sum
             torch.manual_seed(1000 * step + r)
-            x = torch.randn(8, 16).to(DEVICE)
+            x = torch.randn(8, 16).to(device)
             loss = model(x).pow(2).mean() * (r + 1)
             grads = torch.autograd.grad(loss, [p for n, p in model.named_parameters() if n != "unused.weight" and n != "unused.bias"])
             per_rank.append(grads)
         expected = [sum(g[i] for g in per_rank) for i in range(len(per_rank[0]))]
         torch.manual_seed(1000 * step + rank)
-        x = torch.randn(8, 16).to(DEVICE)
+        x = torch.randn(8, 16).to(device)
         if mode == "accumulate":
             # two micro-batches whose gradients add up to the full one; sync only on the last
             sync.enabled = False
@@ -83,9 +88,11 @@ def run(mode: str) -> None:
         everyone = comm.allgather(torch.cat(results).numpy().tobytes())
         assert all(e == everyone[0] for e in everyone)
     sync.close()
+    return sync
 
 
-def check_broadcast() -> None:
+def check_broadcast(comm: Comm) -> None:
+    rank = comm.rank
     torch.manual_seed(rank)  # different on purpose
     model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7))
     model[1].running_mean.fill_(rank)
@@ -97,11 +104,17 @@ def check_broadcast() -> None:
     assert np.array_equal(everyone[0][:35], nn.Linear(5, 7).weight.detach().reshape(-1).numpy())
 
 
-check_broadcast()
-MODES = ["blocking", "overlap", "fp16", "bf16", "hierarchical", "hierarchical-bf16", "deterministic",
-         "deterministic-fp16", "accumulate"]
-for mode in ARGS or MODES:
-    run(mode)
-comm.barrier()
-if rank == 0:
-    print("COMM OK", size, DEVICE)
+def main(argv: list[str]) -> None:
+    modes = [a for a in argv if not a.startswith("--device=")]
+    device = next((a.split("=", 1)[1] for a in argv if a.startswith("--device=")), "cpu")
+    comm = world()
+    check_broadcast(comm)
+    for mode in modes or MODES:
+        run(mode, comm, device)
+    comm.barrier()
+    if comm.rank == 0:
+        print("COMM OK", comm.size, device)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
