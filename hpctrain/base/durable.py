@@ -1,12 +1,18 @@
-"""Files on disk: atomic replacement, durable renames, whole-file sha256 (shards, checkpoints, run files)."""
+"""Files on disk: atomic replacement, durable renames, whole-file sha256 (shards, checkpoints, run files), and
+what a failed write says (which file, why, and on a full disk the free and needed bytes)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from .errors import StorageError
+
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @contextmanager
@@ -46,3 +52,68 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
         while chunk := fh.read(block):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem of `path` (or of its nearest existing
+    parent); None when that cannot be asked."""
+    for where in (Path(path).absolute(), *Path(path).absolute().parents):
+        if where.is_dir():
+            try:
+                st = os.statvfs(where)
+            except OSError:
+                return None
+            return st.f_bavail * st.f_frsize
+    return None
+
+
+def human_bytes(n: int | None) -> str:
+    """`n` bytes for a person: 512 B, 3.0 MiB."""
+    if n is None:
+        return "unknown"
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024:
+            break
+    else:
+        unit, size = "TiB", size / 1024
+    return f"{size:.1f} {unit}"
+
+
+def write_failure(exc: OSError, path: Path, *, needed: int | None = None) -> StorageError:
+    """The one-line error for a failed write of `path`: why, and on a full disk (or quota) how many bytes are
+    free on its filesystem and, when known, how many the write needed."""
+    text = f"cannot write {path}: {exc.strerror or type(exc).__name__}"
+    no_space = exc.errno in NO_SPACE
+    if no_space:
+        text += f" ({human_bytes(free_bytes(Path(path).parent))} free"
+        text += f", {human_bytes(needed)} needed)" if needed else ")"
+    error = StorageError(text)
+    error.no_space = no_space
+    return error
+
+
+class WriteFaults:
+    """The first failed write of a run file that could not be raised where it happened: a log line or a metrics
+    record is written by one rank alone, mid-step, while the others go on into the next collective, so
+    raising there would end this rank alone. The checkpoint policy reads it at the next step boundary and
+    stops every rank together. One per process (`FAULTS`); a run clears it when it opens its logs."""
+
+    def __init__(self) -> None:
+        self.first: StorageError | None = None
+
+    def record(self, error: StorageError) -> bool:
+        """Keep `error` if it is the first; True when it was."""
+        if self.first is not None:
+            return False
+        self.first = error
+        return True
+
+    def clear(self) -> None:
+        self.first = None
+
+
+FAULTS = WriteFaults()

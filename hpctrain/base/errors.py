@@ -44,6 +44,14 @@ class CheckpointError(HpctrainError):
     exit_code = 2
 
 
+class StorageError(HpctrainError):
+    """A file of the run cannot be written: a full disk or quota, a read-only or failing filesystem (a failure
+    during the work: exit 1). `no_space` is True for a full disk or quota (ENOSPC, EDQUOT)."""
+
+    exit_code = 1
+    no_space = False
+
+
 class SubmissionError(HpctrainError):
     """A Slurm submission was refused or cannot be built."""
 
@@ -53,3 +61,22 @@ class SubmissionError(HpctrainError):
 def one_of(name: str, value: object, valid: list[str] | tuple[str, ...]) -> ConfigError:
     """The error for an unknown choice, listing the valid ones."""
     return ConfigError(f"unknown {name} {value!r}: choose one of {', '.join(valid)}")
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters: for quoting a value read from a file in a one-line message,
+    which must stay one short line however long or garbled the file is."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def describe(exc: BaseException, limit: int = 120) -> str:
+    """What went wrong, in a few words and never the data: a UnicodeDecodeError's repr quotes every byte it
+    was decoding (a whole file), an OSError's names its error; anything else is its text, cut to `limit`."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not valid {exc.encoding.upper()} at byte {exc.start} ({exc.reason})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= limit else f"{text[:limit - 3]}..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -9,7 +9,8 @@ A checkpoint is a directory `RUN/checkpoints/step-NNNNNNN/` holding
     ranks.pt        per-rank state gathered from every rank (RNG states, data cursor, audit position, and
                     the references to its own tensors)
     meta.json       step, epoch, world size, resolved config, data fingerprint, sha256 of every file above
-    COMPLETE        the completion marker, written last
+    COMPLETE        the completion marker, written last; it holds the sha256 of meta.json (checkpoints written
+                    before it did have an empty one, and still load)
 
 It is written under a temporary name, every file fsynced, then renamed into place, so a directory named
 `step-*` is complete or does not exist. A checkpoint counts only with its marker and matching checksums;
@@ -26,7 +27,6 @@ object it is given, and runs no collective outside the trainer's thread.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..base.durable import sha256_file
-from ..base.errors import CheckpointError, HpctrainError
-from .ckptformat import (MARKER, RANKS, STATE, assign_writers, discard, expected_files, join_tensors,
-                         layout_digest, part_name, read_part, split_tensors, to_host)
+from ..base.durable import FAULTS, human_bytes, sha256_file
+from ..base.errors import CheckpointError, HpctrainError, StorageError, brief, describe
+from .ckptformat import (MARKER, RANKS, STATE, assign_writers, decode_json, discard, expected_files, join_tensors,
+                         layout_digest, meta_digest, part_name, read_part, split_tensors, to_host)
 from .ckptwriter import AsyncWriter
 
 
@@ -55,42 +55,82 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def verify(path: Path, *, hash_files: bool = True) -> dict[str, Any]:
-    """The meta of a complete, intact checkpoint; raise CheckpointError saying what is wrong otherwise.
+    """The meta of a complete, intact checkpoint; raise CheckpointError saying in one short line what is wrong
+    otherwise (which file, and how: never the file's bytes).
 
-    `hash_files=False` checks the marker, meta.json and the file list but not the checksums (for a caller
-    that verified this checkpoint moments ago)."""
+    `hash_files=False` checks the marker, meta.json and the file list but not the other files' checksums (for
+    a caller that verified this checkpoint moments ago)."""
     path = Path(path)
+    where = f"checkpoint {str(path)!r}"
     if not (path / MARKER).is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} has no {MARKER} marker (it was never finished)")
+        raise CheckpointError(f"{where} has no {MARKER} marker (it was never finished)")
+    name = MARKER
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        marker = (path / MARKER).read_bytes().strip()
+        name = "meta.json"
+        raw = (path / name).read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot read {name} ({describe(exc)})") from None
+    try:
+        meta = decode_json(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: meta.json is {exc}") from None
+    try:
         parts = int(meta["parts"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable meta.json ({exc!r})") from exc
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise CheckpointError(f"{where}: meta.json has no valid 'parts' ({describe(exc)})") from None
     listed = meta.get("sha256", {})
     if not isinstance(listed, dict) or not 1 <= parts <= len(listed):
-        raise CheckpointError(f"checkpoint {str(path)!r}: meta.json says {parts} part files but lists {len(listed)} files")
+        count = len(listed) if isinstance(listed, dict) else 0
+        raise CheckpointError(f"{where}: meta.json says {parts} part files but lists {count} files")
     if set(listed) != expected_files(parts):
-        raise CheckpointError(f"checkpoint {str(path)!r} lists files {sorted(listed)}, expected {sorted(expected_files(parts))}")
+        raise CheckpointError(f"{where}: meta.json lists files {brief(sorted(listed), 120)}, expected "
+                              f"{brief(sorted(expected_files(parts)), 120)}")
+    if marker and marker != meta_digest(raw).encode():  # an empty marker: written before markers held the digest
+        raise CheckpointError(f"{where}: meta.json sha256 mismatch (not the one recorded in {MARKER}): corrupt")
     for name, digest in listed.items():
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} lacks {name}")
+            raise CheckpointError(f"{where} lacks {name}")
         if hash_files and sha256_file(file) != digest:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {name} does not match its checksum (corrupt or truncated)")
+            raise CheckpointError(f"{where}: {name} sha256 mismatch (corrupt or truncated)")
     return meta
 
 
 def latest(run_dir: Path, warn: Any = None) -> Path | None:
-    """The newest complete, intact checkpoint of a run, warning about each damaged one skipped."""
+    """The newest complete, intact checkpoint of a run, warning in one line about each damaged one skipped
+    (what is wrong with it, and which checkpoint is used instead)."""
+    skipped: list[str] = []
+    found = None
     for path in list_checkpoints(run_dir):
         try:
             verify(path)
-            return path
+            found = path
+            break
         except CheckpointError as exc:
-            if warn is not None:
-                warn(f"skipping damaged checkpoint: {exc}; falling back to an older one")
+            skipped.append(str(exc))
+    if warn is not None:
+        instead = f"using {found.name} instead" if found else "no intact checkpoint is left: starting afresh"
+        for text in skipped:
+            warn(f"skipping damaged checkpoint: {text}; {instead}")
+    return found
+
+
+def last_complete(run_dir: Path) -> Path | None:
+    """The newest checkpoint with its marker, meta.json and files in place (not hashing their bytes: for
+    saying where a failed run can continue from)."""
+    for path in list_checkpoints(run_dir):
+        try:
+            verify(path, hash_files=False)
+            return path
+        except CheckpointError:
+            continue
     return None
+
+
+def size_of(path: Path) -> int:
+    """The bytes of a checkpoint's files."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
 def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
@@ -103,11 +143,17 @@ def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
     tensors: dict[int, Any] = {}
     for r in range(int(meta["parts"])):
         tensors.update(read_part(path / part_name(r)))
-    with open(path / STATE, "rb") as fh:
-        tree = join_tensors(torch.load(fh, map_location="cpu", weights_only=True), tensors, str(path))
-    with open(path / RANKS, "rb") as fh:  # a rank's own tensors (a sharded optimizer's) are in its part file
-        ranks = join_tensors(torch.load(fh, map_location="cpu", weights_only=True), tensors, str(path))
-    return {"meta": meta, "model": tree["model"], "train": tree["train"], "ranks": ranks}
+    trees = {}
+    for name in (STATE, RANKS):  # a rank's own tensors (a sharded optimizer's) are in its part file
+        try:
+            with open(path / name, "rb") as fh:
+                trees[name] = join_tensors(torch.load(fh, map_location="cpu", weights_only=True), tensors, str(path))
+        except HpctrainError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch's and pickle's errors can run to pages
+            raise CheckpointError(f"checkpoint {str(path)!r}: {name} cannot be loaded ({describe(exc)})") from None
+    tree = trees[STATE]
+    return {"meta": meta, "model": tree["model"], "train": tree["train"], "ranks": trees[RANKS]}
 
 
 def load_broadcast(path: Path, comm: Any, *, verified: bool = False) -> dict[str, Any]:
@@ -193,15 +239,19 @@ class CheckpointManager:
         """The trainer calls this at every step boundary, on every rank; returns True when the run must stop.
 
         One small allreduce agrees whether any rank was asked to stop (a signal), whether a checkpoint is
-        due (rank 0's answer: with `auto` the policy reads a clock, and clocks differ) and whether any rank
-        is still writing its part of the previous checkpoint; once none is, rank 0 completes it. A
-        checkpoint is then written when due, on a stop (synchronously) and at the last step
-        (synchronously). `state` is a dict with model_state, train_state, rank_state and meta, or a
-        callable returning one (called only when a checkpoint is written).
+        due (rank 0's answer: with `auto` the policy reads a clock, and clocks differ), whether any rank
+        is still writing its part of the previous checkpoint (once none is, rank 0 completes it) and
+        whether a write failed (a checkpoint, or a log or metrics file: `durable.FAULTS`); then every rank
+        raises that failure together, saying where to continue from. A checkpoint is written when due, on
+        a stop (synchronously) and at the last step (synchronously). `state` is a dict with model_state,
+        train_state, rank_state and meta, or a callable returning one (called only when one is written).
         """
         writing = self._writer.writing()
-        stopping, due, writing = self.comm.allreduce_array(
-            [stop_requested, self.comm.rank == 0 and self.due(step), writing], op="max")
+        failed = FAULTS.first is not None or self._writer.error is not None
+        stopping, due, writing, failed = self.comm.allreduce_array(
+            [stop_requested, self.comm.rank == 0 and self.due(step), writing, failed], op="max")
+        if failed:
+            self._give_up()
         if self._writer.job is not None and not writing:
             self.on_write()
             self._writer.finish()
@@ -261,12 +311,49 @@ class CheckpointManager:
         if self._writer.job is not None:
             self._writer.finish()
         self._writer.join()
-        failure = self._writer.error
-        failed = self.comm.bcast(repr(failure) if failure is not None else None, root=0)
-        if failed:
-            error = CheckpointError(f"writing a checkpoint failed: {failed}")
-            error.agreed = True  # rank 0 told every rank
-            raise error
+        if self.comm.bcast(self._writer.error is not None, root=0):
+            self._raise_failure()
+
+    def _give_up(self) -> None:
+        """A write failed: finish the pending save (it may still succeed, and rank 0's completer must not be
+        left running), then raise the failure on every rank together (collective)."""
+        self.on_write()
+        if self._writer.job is not None:
+            self._writer.finish()
+        self._writer.join()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Every rank raises the first failure (rank 0's failed checkpoint, else the lowest rank's failed
+        write) as one line that ends with the last complete checkpoint and what to do (collective)."""
+        mine: HpctrainError | None = self._writer.error if self.comm.rank == 0 else None
+        if mine is None and FAULTS.first is not None:
+            mine = type(FAULTS.first)(f"rank {self.comm.rank}: {FAULTS.first}")
+            mine.no_space = FAULTS.first.no_space
+        report = None if mine is None else (str(mine), mine.exit_code, getattr(mine, "no_space", False),
+                                            isinstance(mine, CheckpointError))
+        reports = self.comm.gather(report, root=0)
+        verdict = None
+        if self.comm.rank == 0:
+            text, code, no_space, of_checkpoint = next((r for r in reports if r is not None),
+                                                       ("a write of the run failed", 1, False, False))
+            verdict = (f"{text}; {self._continue_hint(no_space, of_checkpoint)}", code, of_checkpoint)
+        text, code, of_checkpoint = self.comm.bcast(verdict, root=0)
+        error = (CheckpointError if of_checkpoint else StorageError)(text)
+        error.exit_code, error.agreed = code, True  # every rank raises it now: nobody is left waiting
+        raise error
+
+    def _continue_hint(self, no_space: bool, of_checkpoint: bool) -> str:
+        """Rank 0: the last complete checkpoint, and how to go on from it (with a full disk, how much room a
+        checkpoint takes when the failed write was not one)."""
+        last = last_complete(self.root.parent)
+        fix = "free space" if no_space else "fix the cause"
+        need = ""
+        if no_space and last is not None and not of_checkpoint:
+            need = f"a checkpoint of this run needs {human_bytes(size_of(last))}; "
+        if last is None:
+            return f"{need}no checkpoint was completed yet: {fix}, then run the same command to start again"
+        return f"{need}last complete checkpoint: {last}: {fix}, then run the same command to continue"
 
     def _prune(self) -> None:
         """Rank 0, after a checkpoint is complete: keep the newest `keep` complete ones, and drop what crashed

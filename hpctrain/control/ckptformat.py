@@ -2,7 +2,8 @@
 references in the trees, the split of the writing over the ranks, and the hashing done while writing.
 
 A checkpoint directory holds `part-RRRRR.bin` (one per rank that wrote), `state.pt`, `ranks.pt`, `meta.json`
-and the `COMPLETE` marker (see `checkpoint` for what each holds and when a directory counts).
+and the `COMPLETE` marker, which holds the sha256 of meta.json (empty in checkpoints of earlier versions; see
+`checkpoint` for what each file holds and when a directory counts).
 Model and optimizer state are equal on every rank (data parallel), so each tensor is written once, by one
 rank: the tensors are dealt to the ranks largest first, each to the rank with the fewest bytes so far (as
 torch.distributed.checkpoint deduplicates replicated tensors). W ranks write about 1/W of the bytes each,
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..base.errors import CheckpointError
+from ..base.errors import CheckpointError, brief, describe
 
 MARKER = "COMPLETE"
 STATE = "state.pt"
@@ -42,6 +43,24 @@ def part_name(rank: int) -> str:
 
 def expected_files(parts: int) -> set[str]:
     return {STATE, RANKS, *(part_name(r) for r in range(parts))}
+
+
+def decode_json(raw: bytes) -> Any:
+    """Parse JSON bytes; on damage raise ValueError saying where, in a few words (never quoting the bytes:
+    a UnicodeDecodeError's repr holds the whole file)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not valid UTF-8 JSON at byte {exc.start} ({exc.reason})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid UTF-8 JSON at byte {len(text[:exc.pos].encode())} ({exc.msg})") from None
+
+
+def meta_digest(raw: bytes) -> str:
+    """What the marker holds: the sha256 of meta.json's bytes (meta.json lists the other files' digests)."""
+    return hashlib.sha256(raw).hexdigest()
 
 
 def to_host(obj: Any) -> Any:
@@ -81,7 +100,8 @@ def join_tensors(tree: Any, tensors: dict[int, Any], where: str) -> Any:
     if isinstance(tree, dict):
         if len(tree) == 1 and _REF in tree:
             if tree[_REF] not in tensors:
-                raise CheckpointError(f"checkpoint {where!r} refers to tensor {tree[_REF]}, which no part file holds")
+                raise CheckpointError(f"checkpoint {where!r} refers to tensor {brief(tree[_REF], 20)}, which no part "
+                                      "file holds")
             return tensors[tree[_REF]]
         return {k: join_tensors(v, tensors, where) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -150,7 +170,6 @@ def write_part(path: Path, tensors: dict[int, Any]) -> str:
 
 def read_part(path: Path) -> dict[int, Any]:
     """The tensors of a part file, each read into its own memory (no pickle, nothing executed)."""
-    import torch
 
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint part {str(path)!r} is malformed: {why}")
@@ -163,26 +182,35 @@ def read_part(path: Path) -> dict[int, Any]:
         if size > total - 16:
             raise bad(f"header length {size} exceeds the file")
         try:
-            header = json.loads(fh.read(size))
+            header = decode_json(fh.read(size))
         except ValueError as exc:
-            raise bad(f"unreadable header ({exc})") from exc
-        if header.get("byteorder") != sys.byteorder:
-            raise bad(f"written on a {header.get('byteorder')}-endian machine, this one is {sys.byteorder}-endian")
-        base = 16 + size
-        out = {}
-        for entry in header.get("tensors", []):
-            dtype = getattr(torch, str(entry["dtype"]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise bad(f"unknown dtype {entry['dtype']!r}")
-            t = torch.empty([int(d) for d in entry["shape"]], dtype=dtype)
-            nbytes = t.numel() * t.element_size()
-            if nbytes != entry["nbytes"] or base + entry["offset"] + nbytes > total:
-                raise bad(f"tensor {entry['id']} does not fit its declared size")
-            if nbytes:
-                fh.seek(base + entry["offset"])
-                if fh.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != nbytes:
-                    raise bad(f"tensor {entry['id']} is truncated")
-            out[int(entry["id"])] = t
+            raise bad(f"its header is {exc}") from None
+        if not isinstance(header, dict) or header.get("byteorder") != sys.byteorder:
+            order = header.get("byteorder") if isinstance(header, dict) else None
+            raise bad(f"written on a {brief(order, 20)}-endian machine, this one is {sys.byteorder}-endian")
+        try:
+            return _read_tensors(fh, header.get("tensors", []), 16 + size, total, bad)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise bad(f"a tensor entry of its header is broken ({describe(exc)})") from None
+
+
+def _read_tensors(fh: Any, entries: list[dict], base: int, total: int, bad: Any) -> dict[int, Any]:
+    import torch
+
+    out = {}
+    for entry in entries:
+        dtype = getattr(torch, str(entry["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise bad(f"unknown dtype {brief(entry['dtype'], 40)}")
+        t = torch.empty([int(d) for d in entry["shape"]], dtype=dtype)
+        nbytes = t.numel() * t.element_size()
+        if nbytes != entry["nbytes"] or base + entry["offset"] + nbytes > total:
+            raise bad(f"tensor {brief(entry['id'], 20)} does not fit its declared size")
+        if nbytes:
+            fh.seek(base + entry["offset"])
+            if fh.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != nbytes:
+                raise bad(f"tensor {brief(entry['id'], 20)} is truncated")
+        out[int(entry["id"])] = t
     return out
 
 

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..base.durable import fsync_dir
-from ..base.errors import CheckpointError
-from .ckptformat import MARKER, RANKS, STATE, discard, part_name, save_hashed, write_bytes, write_part
+from ..base.durable import NO_SPACE, free_bytes, fsync_dir, human_bytes
+from ..base.errors import CheckpointError, HpctrainError, describe
+from .ckptformat import MARKER, RANKS, STATE, discard, meta_digest, part_name, save_hashed, write_bytes, write_part
 
 
 class Staging:
@@ -91,8 +91,9 @@ class AsyncWriter:
     def _write_guarded(self, job: dict[str, Any]) -> None:
         """This rank's part (and on rank 0 the trees and the gathered rank states), in the background."""
         start, cpu = time.perf_counter(), time.thread_time()
+        tmp, name = job["tmp"], job["tmp"].name  # the file (or directory) being written, for the error
+        need = sum(t.numel() * t.element_size() for t in job["parts"].values())
         try:
-            tmp = job["tmp"]
             tmp.mkdir(parents=True, exist_ok=True)
             name = part_name(self.comm.rank)
             digests = {name: write_part(tmp / name, job["parts"])}
@@ -101,13 +102,14 @@ class AsyncWriter:
                 if len({r["layout"] for r in job["ranks"]}) > 1:
                     raise CheckpointError("the ranks hold model or optimizer state of different dtypes or shapes; a "
                                           "checkpoint needs the same model and optimizer on every rank")
-                digests[STATE] = save_hashed(tmp / STATE, job["skeleton"])
-                digests[RANKS] = save_hashed(tmp / RANKS, [r["state"] for r in job["ranks"]])
-            self._own = {"digests": digests, "sizes": sizes, "error": None}
+                for name, tree in ((STATE, job["skeleton"]), (RANKS, [r["state"] for r in job["ranks"]])):
+                    digests[name] = save_hashed(tmp / name, tree)
+            self._own = {"digests": digests, "sizes": sizes, "error": None, "need": need}
         except BaseException as exc:  # noqa: BLE001 - gathered by rank 0, reported by wait()
-            self._own = {"digests": {}, "sizes": {}, "error": f"rank {self.comm.rank}: {exc!r}"}
+            failure = _failure(exc, tmp)
+            self._own = {"digests": {}, "sizes": {}, "error": failure, "file": name, "need": need}
             if self.log:
-                self.log(f"checkpoint write failed: {exc}")
+                self.log(f"checkpoint write failed on rank {self.comm.rank}, writing {name}: {failure['why']}")
         finally:
             self.write_seconds += time.perf_counter() - start
             self.write_cpu_seconds += time.thread_time() - cpu
@@ -121,9 +123,9 @@ class AsyncWriter:
         results = self.comm.gather(self._own, root=0)
         if self.comm.rank != 0:
             return
-        errors = [res["error"] for res in results if res["error"]]
-        if errors:
-            self._fail(CheckpointError(f"writing checkpoint step {job['step']} failed: {'; '.join(errors)}"))
+        failed = [(r, res) for r, res in enumerate(results) if res["error"]]
+        if failed:
+            self._fail(_part_failure(job, failed, need=sum(res.get("need", 0) for res in results)))
             shutil.rmtree(job["tmp"], ignore_errors=True)
             return
         digests = {k: v for res in results for k, v in res["digests"].items()}
@@ -133,26 +135,31 @@ class AsyncWriter:
         self._thread.start()
 
     def _complete(self, job: dict[str, Any], digests: dict[str, str], sizes: dict[str, int]) -> None:
+        tmp, final = job["tmp"], job["final"]
+        meta = json.dumps(dict(job["meta"], sha256=digests), indent=2, default=str).encode()
+        name = "meta.json"
         try:
-            tmp = job["tmp"]
             _await_parts(tmp, sizes)
-            write_bytes(tmp / "meta.json", json.dumps(dict(job["meta"], sha256=digests), indent=2, default=str).encode())
-            write_bytes(tmp / MARKER, b"")
+            write_bytes(tmp / name, meta)
+            name = MARKER
+            write_bytes(tmp / MARKER, meta_digest(meta).encode())  # the marker vouches for meta.json
             fsync_dir(tmp)
-            final = job["final"]
+            name = final.name
             if final.exists():  # a stale one from an earlier, diverged attempt at the same step
                 discard(final)
             tmp.rename(final)
             fsync_dir(final.parent)
             self.on_complete()
         except BaseException as exc:  # noqa: BLE001 - reported by wait()
-            self._fail(exc)
+            failure = _failure(exc, tmp)
+            self._fail(_part_failure(job, [(0, dict(error=failure, file=name))], need=len(meta)))
+            shutil.rmtree(tmp, ignore_errors=True)
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: CheckpointError) -> None:
         if self.error is None:
             self.error = exc
         if self.log:
-            self.log(f"checkpoint write failed: {exc}")
+            self.log(str(exc))
 
     def join(self) -> None:
         """Wait for this rank's writer (or rank 0's completer) to end."""
@@ -183,3 +190,31 @@ def _await_parts(tmp: Path, sizes: dict[str, int], patience: float = 10.0) -> No
                 f"rank 0 cannot see {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} in {str(tmp)!r}, "
                 f"written by other ranks: put --run-dir on a filesystem that every node shares (not node-local /tmp)")
         time.sleep(0.2)
+
+
+def _failure(exc: BaseException, tmp: Path) -> dict[str, Any]:
+    """What rank 0 needs to say why this rank's write failed, in a few words (picklable, gathered)."""
+    storage = isinstance(exc, OSError)
+    return {"why": str(exc) if isinstance(exc, HpctrainError) else describe(exc), "storage": storage,
+            "no_space": storage and exc.errno in NO_SPACE, "free": free_bytes(tmp) if storage else None}
+
+
+def _part_failure(job: dict[str, Any], failed: list[tuple[int, dict[str, Any]]], *, need: int) -> CheckpointError:
+    """One line for a checkpoint that could not be written: which rank could not write which file where, why,
+    and for a full disk the bytes free there and those the checkpoint needed. A failure of the filesystem
+    (an OSError) is a failure during the work (exit 1); the rest keep CheckpointError's code."""
+    rank, res = failed[0]
+    why = res["error"]
+    text = f"writing a checkpoint failed (step {job['step']}): rank {rank}"
+    if why["storage"]:
+        text += f" cannot write {res['file']} in {job['final'].parent}"
+    text += f": {why['why']}"
+    if why["no_space"]:
+        text += f" ({human_bytes(why['free'])} free, {human_bytes(need)} needed)"
+    if len(failed) > 1:
+        text += f"; rank{'s' if len(failed) > 2 else ''} {', '.join(str(r) for r, _ in failed[1:])} too"
+    error = CheckpointError(text)
+    if why["storage"]:
+        error.exit_code = 1
+    error.no_space = why["no_space"]
+    return error

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from . import checkpoint as ckpt
 from . import rngstate
 from ..base.config import TrainConfig
-from ..base.errors import CheckpointError
+from ..base.errors import CheckpointError, brief
 from ..comm import checkpoint_entries, load_entries
 
 
@@ -43,8 +43,9 @@ def resolve(cfg: TrainConfig, warn: Callable[[str], Any]) -> Path | None:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """`key: old -> new` for every setting that differs between a checkpoint's config and this run's."""
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+    """`key: old -> new` for every setting that differs between a checkpoint's config and this run's (each value
+    cut to a few dozen characters: the old ones come from the checkpoint's meta.json)."""
+    return [f"{k}: {brief(old.get(k))} -> {brief(new.get(k))}" for k in sorted(set(old) | set(new))
             if k not in NOT_A_CHANGE and old.get(k) != new.get(k)]
 
 

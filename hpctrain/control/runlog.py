@@ -10,7 +10,9 @@ and on rank 0 a progress bar on a terminal, or one plain line per logged step in
 
 Only files: the reductions that make a record (loss over ranks, validation) are the trainer's. A resumed
 run first cuts every file back to the checkpoint's step (`prepare`), so nothing trained after the
-checkpoint, and redone now, appears twice.
+checkpoint, and redone now, appears twice. A write that fails while the run trains (a full disk) is not
+raised where it happens, by this rank alone mid-step, but recorded once (`durable.FAULTS`): the checkpoint
+policy stops every rank at the next step boundary with one line that says so.
 """
 
 from __future__ import annotations
@@ -21,16 +23,96 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from ..base.config import TrainConfig, write_toml
-from ..base.durable import write_text
+from ..base.errors import HpctrainError
+from ..base.durable import FAULTS, write_failure, write_text
 from ..base.progress import Progress
 
 
+class RunFile:
+    """A run file this rank appends to while it trains (metrics, timing, audit). A write that fails is recorded
+    once in `durable.FAULTS` and later writes are dropped (a resumed run cuts the file back to its checkpoint
+    anyway). Only a failure first seen when the file is closed is raised: nobody is left to report it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fh = open(self.path, "a")
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        if not self.failed:
+            try:
+                self.fh.write(text)
+            except OSError as exc:
+                self._fail(exc)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.failed:
+            try:
+                self.fh.flush()
+            except OSError as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        self.failed = True
+        FAULTS.record(write_failure(exc, self.path))
+
+    def close(self) -> None:
+        try:
+            self.fh.close()
+        except OSError as exc:
+            if not self.failed and FAULTS.first is None:
+                self.failed = True
+                raise write_failure(exc, self.path) from None
+
+    def __enter__(self) -> "RunFile":
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            self.close()
+            return
+        with contextlib.suppress(HpctrainError):  # the run already fails: that error is the one to report
+            self.close()
+
+
+class _LogHandler(logging.FileHandler):
+    """A rank's log file. A line that cannot be written (a full disk) is recorded once in `durable.FAULTS`, and
+    the lines after it are dropped; logging's default prints `--- Logging error ---` and a traceback for
+    every line instead, pages of them on a full disk."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):  # a bad format string or the like: a bug, logging's report stays
+            super().handleError(record)
+            return
+        self.failed = True
+        FAULTS.record(write_failure(exc, Path(self.baseFilename)))
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:  # the last lines could not be written either
+            if not self.failed and FAULTS.first is None:
+                print(f"warning: {write_failure(exc, Path(self.baseFilename))}: the end of this log is lost",
+                      file=sys.stderr, flush=True)
+            self.failed = True
+
+
 def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
+    """This rank's log, RUN/logs/rank-NNNN.log; a new run starts with no write failure recorded."""
+    FAULTS.clear()
     log = logging.getLogger(f"hpctrain.rank{rank}")
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -38,21 +120,44 @@ def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
         log.removeHandler(h)
         h.close()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank:04d}.log")
+    handler = _LogHandler(run_dir / "logs" / f"rank-{rank:04d}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s"))
     log.addHandler(handler)
     return log
 
 
+class _AfterRunHandler(logging.Handler):
+    """What a rank logs after its run closed the log (the trainer's last word on a failure, the traceback its
+    one-line error points to) is appended to the same file, opened for each record: no file stays open, and
+    nothing falls through to logging's last-resort handler, which prints it on the console. A line that
+    cannot be written is dropped: the run is over, its error already said."""
+
+    def __init__(self, path: Path, formatter: logging.Formatter | None):
+        super().__init__()
+        self.path = path
+        self.setFormatter(formatter)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = self.format(record) + "\n"
+        with contextlib.suppress(OSError), open(self.path, "a") as fh:
+            fh.write(text)
+
+
 def close_logging(log: logging.Logger) -> None:
+    """Close this rank's log at the end of its run (what is logged later is appended line by line); the run's
+    write failures are reported by then, or moot."""
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
+        if isinstance(handler, _LogHandler):
+            log.addHandler(_AfterRunHandler(Path(handler.baseFilename), handler.formatter))
+    FAULTS.clear()
 
 
 def write_config(cfg: TrainConfig) -> None:
     """The resolved config, as TOML beside the run: `hpctrain train --config RUN/config.toml` repeats it."""
-    write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_dict()))
+    with _writing(cfg.run_dir / "config.toml"):
+        write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_dict()))
 
 
 def prepare(cfg: TrainConfig, rank: int, step: int, audit_lines: dict[str, int] | None) -> None:
@@ -86,14 +191,14 @@ class RunLog:
         self.cfg, self.rank, self.log, self.total_steps = cfg, rank, log, total_steps
         self.rates = rates  # a language model's: targets per sample, and what tokens_per_s and mfu need
         self.targets = rates.targets if rates is not None else 1
-        self.metrics = stack.enter_context(open(cfg.run_dir / "metrics.jsonl", "a")) if rank == 0 else None
-        self.timing = stack.enter_context(open(_timing_path(cfg.run_dir, rank), "a"))
+        self.metrics = stack.enter_context(RunFile(cfg.run_dir / "metrics.jsonl")) if rank == 0 else None
+        self.timing = stack.enter_context(RunFile(_timing_path(cfg.run_dir, rank)))
         audit_path = _audit_path(cfg.run_dir, rank)
         self.audit_lines = 0
         if cfg.audit_samples and audit_path.exists():
             with open(audit_path, "rb") as fh:
                 self.audit_lines = sum(1 for _ in fh)
-        self.audit = stack.enter_context(open(audit_path, "a")) if cfg.audit_samples else None
+        self.audit = stack.enter_context(RunFile(audit_path)) if cfg.audit_samples else None
         self.tb = None
         if cfg.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -194,7 +299,7 @@ def _keep_lines(path: Path, keep: int) -> None:
     """Keep the first `keep` lines of a text file (drop what a resumed run will redo)."""
     with open(path, "rb") as fh:
         lines = fh.readlines()[:keep]
-    with open(path, "wb") as fh:
+    with _writing(path), open(path, "wb") as fh:
         fh.writelines(lines)
 
 
@@ -203,4 +308,15 @@ def _keep_steps(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    with _writing(path):
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A write at the start of a run, on one rank: a failure is raised at once, as one line (a full disk: the
+    free bytes)."""
+    try:
+        yield
+    except OSError as exc:
+        raise write_failure(exc, path) from None

@@ -34,7 +34,7 @@ from ..base.config import TrainConfig
 from ..data import staging
 from ..data.reader import ShardReader, epoch_remainder
 from ..data.shardformat import ShardSet, load_manifest
-from ..base.durable import replacing, write_text
+from ..base.durable import replacing, write_failure, write_text
 from ..base.rankenv import RankEnv, read_env, select_device
 from ..base.errors import CheckpointError, ConfigError, HpctrainError
 from .runlog import RunLog
@@ -477,9 +477,14 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
                        "interval_s": m.interval_seconds() if cfg.checkpoint_every == "auto" else None},
     }
     if comm.rank == 0:
-        with replacing(cfg.run_dir / "model.pt") as tmp:
-            torch.save(run.model.state_dict(), tmp)
-        write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        path = cfg.run_dir / "model.pt"
+        try:
+            with replacing(path) as tmp:
+                torch.save(run.model.state_dict(), tmp)
+            path = cfg.run_dir / "summary.json"
+            write_text(path, json.dumps(summary, indent=2) + "\n")
+        except OSError as exc:  # a full disk: one line that says which file, and the free bytes
+            raise write_failure(exc, path) from exc
     run.log.info("done: %s", json.dumps(summary))
     if not summary["ranks_in_sync"]:
         error = HpctrainError(f"ranks ended with different parameters ({sorted(set(hashes))}); this is a bug, please report it")

@@ -6,17 +6,26 @@ its own session, so a Ctrl-C in the terminal reaches only the launcher; the firs
 turned into SIGUSR2 for mpirun, which forwards it to every rank (SIGTERM to mpirun would kill the ranks
 before they can checkpoint). A second one, or a job still running `--grace` seconds later, is ended hard,
 so a stop always ends the job, within grace + 5 s. The exit code is the job's.
+
+mpirun's stderr (its own messages and every rank's) passes through `MpirunFilter`: once a rank has said in a
+line of its own what went wrong (`error: ...`, hpctrain's one-line errors), mpirun's reports of the failed
+job (MPI_ABORT, "Primary job terminated normally, but 1 process returned...", "mpirun detected that one or
+more processes exited...", help-aggregation and ORTE_ERROR_LOG lines) only repeat it in a dozen lines, and
+are left out. Everything else of mpirun's stays (it cannot start a program, too few slots, a killed rank):
+`--quiet` would hide those too.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ..base.rankenv import read_env
 from ..base.errors import ConfigError, HpctrainError
@@ -101,7 +110,7 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
             signal.signal(sig, handler)
         print("hpctrain launch: a stop signal came before the job started; nothing was run", file=sys.stderr, flush=True)
         return STOP_EXIT
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+    proc, pump = _start(argv, {**os.environ, **env})
     try:
         while True:
             if to_forward and catches(proc.pid, signal.SIGUSR2):
@@ -140,6 +149,104 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
         if proc.poll() is None:  # the launcher itself failed: leave nothing running
             kill_tree(proc.pid)
             proc.wait(timeout=KILL_AFTER_S)
+        pump.join(timeout=KILL_AFTER_S)  # the job's last lines (a rank that outlives mpirun may keep the pipe)
+
+
+# mpirun's own reports of a job that failed: a block between separator lines, or one line with its pid
+_SEPARATOR = b"-" * 74
+_AFTERMATH = (b"MPI_ABORT was invoked", b"Primary job  terminated normally, but",
+              b"mpirun detected that one or more processes exited with non-zero status")
+_AFTERMATH_LINE = re.compile(rb"^\[[^\]\s]+:\d+\] (.*ORTE_ERROR_LOG|\d+ more process(es)? ha(s|ve) sent help message|"
+                             rb"Set MCA parameter \"orte_base_help_aggregate\")")
+_RANK_SAID = re.compile(rb"^error: ")
+
+
+class MpirunFilter:
+    """mpirun's stderr, passed on as it comes, less mpirun's reports of a failed job when a rank has said why in
+    a line of its own. Those reports come as the job ends, so they are held until then and dropped only if
+    such a line came, before or after them: which of a rank's last line and mpirun's report arrives first
+    is a race. A line that might begin one (a `-` or `[` first) waits for its end; any other text, even half
+    a line (a progress bar), is passed on at once."""
+
+    def __init__(self, out: Callable[[bytes], None]):
+        self.out = out
+        self.pending = b""  # the start of a line not passed on yet
+        self.passed = b""  # the start of a line already passed on
+        self.block: list[bytes] | None = None  # a separator block being read
+        self.held: list[bytes] = []
+        self.rank_said = False
+
+    def feed(self, data: bytes) -> None:
+        self.pending += data
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            self._line(line + b"\n")
+        if self.pending and self.block is None and (self.passed or self.pending[:1] not in (b"-", b"[")):
+            self.out(self.pending)
+            self.passed, self.pending = self.passed + self.pending, b""
+
+    def _line(self, line: bytes) -> None:
+        whole, passed, self.passed = self.passed + line, bool(self.passed), b""
+        self.rank_said = self.rank_said or bool(_RANK_SAID.match(whole))
+        if passed:
+            self.out(line)
+        elif self.block is not None:
+            self.block.append(line)
+            if line.rstrip() == _SEPARATOR:
+                block, self.block = b"".join(self.block), None
+                if any(mark in block for mark in _AFTERMATH):
+                    self.held.append(block)
+                else:
+                    self.out(block)
+        elif line.rstrip() == _SEPARATOR:
+            self.block = [line]
+        elif _AFTERMATH_LINE.match(line):
+            self.held.append(line)
+        else:
+            self.out(line)
+
+    def end(self) -> None:
+        """The job ended: what is still held is passed on unless a rank said why it failed."""
+        tail = b"".join(self.block or []) + self.pending
+        self.block, self.pending = None, b""
+        if tail:
+            self.out(tail)
+        if not self.rank_said:
+            for text in self.held:
+                self.out(text)
+        self.held = []
+
+    def pump(self, pipe: Any) -> None:
+        """Read `pipe` (mpirun's stderr) to its end."""
+        fd = pipe.fileno()
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                self.feed(chunk)
+        except OSError:
+            pass
+        finally:
+            self.end()
+            pipe.close()
+
+
+def _to_stderr(data: bytes) -> None:
+    stream = getattr(sys.stderr, "buffer", None)
+    if stream is None:
+        sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+        return
+    sys.stderr.flush()
+    stream.write(data)
+    stream.flush()
+
+
+def _start(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    """mpirun in its own session, its stderr read through `MpirunFilter` by a thread."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    pump = threading.Thread(target=MpirunFilter(_to_stderr).pump, args=(proc.stderr,), name="hpctrain-launch-stderr",
+                            daemon=True)
+    pump.start()
+    return proc, pump
 
 
 def _send(pid: int, sig: int) -> None:
