@@ -30,14 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
 from .control import checkpoint as ckpt
 from .control import rngstate
 from .comm import Comm, GradSync, ShardedOptimizer, ZeroSync, checkpoint_entries, load_entries, world
+from .comm.zerooptim import sharded_owner
 from .data import staging
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
 from .base.rankenv import RankEnv, read_env, select_device
-from .base.errors import ConfigError, HpctrainError
+from .base.errors import CheckpointError, ConfigError, HpctrainError
 from .base.stop import FLAG as STOP
 
 _CONTEXT: "Context | None" = None
@@ -60,8 +63,6 @@ def init(*, threads: int | None = None) -> Context:
     its device (one GPU per local rank when GPUs are visible, else the CPU). Safe to call twice."""
     global _CONTEXT
     if _CONTEXT is None:
-        import torch
-
         env = read_env()
         comm = world()
         torch.set_num_threads(threads or env.torch_threads())
@@ -78,12 +79,31 @@ def broadcast_parameters(model: Any, root: int = 0) -> None:
 
 
 def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
-    """Give every rank `root`'s optimizer state (e.g. after loading it on `root` only)."""
-    state = init().comm.bcast(optimizer.state_dict() if init().rank == root else None, root=root)
-    optimizer.load_state_dict(state)
+    """Give every rank `root`'s optimizer state and hyperparameters (e.g. after loading it on `root` only);
+    a rank that has no state yet (no step taken) gets it as it is, without a step.
+
+    A collective on every rank. With `DistributedOptimizer(..., zero=1|2)` the state is sharded: every rank
+    takes part in gathering it, `root`'s gathered state is broadcast and each rank keeps its own slices of
+    it. So with ZeRO, load a state on every rank (`load_state_dict` keeps this rank's slices), not on root
+    only: a rank holds no other rank's slices to broadcast.
+    """
+    ctx = init()
+    owner = _state_owner(optimizer)
+    gathered = isinstance(owner, ShardedOptimizer)  # its state_dict() is itself a collective
+    state = owner.state_dict() if gathered or ctx.rank == root else None
+    owner.load_state_dict(ctx.comm.bcast(state, root=root))
 
 
-class DistributedOptimizer:
+def _state_owner(optimizer: Any) -> Any:
+    """What holds `optimizer`'s whole state: a DistributedOptimizer's plain or sharded optimizer, the
+    ShardedOptimizer a torch optimizer was given to (zero=1/2: the torch optimizer holds this rank's slices
+    only), or `optimizer` itself."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.optimizer
+    return sharded_owner(optimizer) or optimizer
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps any torch.optim optimizer with hpctrain's bucketed, overlapped gradient allreduce.
 
     Gradients become views into flat buckets; each bucket's allreduce starts as soon as backward has
@@ -95,6 +115,11 @@ class DistributedOptimizer:
     then the parameters are allgathered); `zero=2` also shards the gradients (reduce-scattered, each bucket's
     full gradient freed once sent). Only elementwise torch optimizers (SGD, Adam, AdamW, ...) can be
     sharded; `clip_grad_norm_()` clips the global norm; `state_dict()` gathers the whole state (collective).
+
+    It is a `torch.optim.Optimizer` (so torch's LR schedulers accept it) whose `param_groups` are the wrapped
+    optimizer's own dicts, at every stage: a scheduler attached to either one, before or after wrapping,
+    drives the steps. With zero=1/2 the wrapped optimizer's groups hold this rank's slices of the parameters.
+    Optimizer hooks: register them on the wrapped optimizer, whose `step()` this one calls.
     """
 
     def __init__(self, optimizer: Any, model: Any, *, bucket_mb: float = 25.0, overlap: bool | None = None,
@@ -103,7 +128,8 @@ class DistributedOptimizer:
         from .control.step import auto_overlap
 
         ctx = init()
-        self.optimizer = optimizer
+        self.optimizer: Any = optimizer
+        self.wrapped = optimizer
         self.loader = loader
         if overlap is None:
             overlap = auto_overlap(ctx.env, ctx.device.type if hasattr(ctx.device, "type") else "cpu")
@@ -123,7 +149,24 @@ class DistributedOptimizer:
         # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs
         # to has been handed out, whether zero_grad() ran before backward or after the previous step().
         self.sync.scale_fn = self._scales
-        self.param_groups = self.optimizer.param_groups
+
+    # torch.optim.Optimizer's attributes, read live: the wrapped optimizer's load_state_dict() replaces them
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.wrapped.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.wrapped.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's state (with zero=1/2: this rank's slices only; `state_dict()` gathers all)."""
+        return self.optimizer.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ConfigError("a DistributedOptimizer cannot take a new param group (its parameters are bucketed for "
+                          "the gradient sync): give every param group to the optimizer before wrapping it")
 
     def _weight(self) -> float:
         """This rank's share of the step's mean: 1 / world size, or its share of the samples of the batch
@@ -162,8 +205,6 @@ class DistributedOptimizer:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Finish the gradient sync and clip the global gradient norm to `max_norm`; returns the norm."""
-        import torch
-
         if not getattr(self, "_synced", False):
             self.synchronize()
         if isinstance(self.optimizer, ShardedOptimizer):
@@ -190,15 +231,27 @@ class DistributedOptimizer:
 class ShardLoader:
     """Batches of this rank's shards (written by `hpctrain shard`) as torch tensors on the rank's device.
 
-    Every rank gets the same number of batches per epoch (`len(loader)`); a rank with fewer samples gets a
-    shorter last batch, never a duplicate. The order is a pure function of (seed, epoch, rank, world size);
-    `state_dict()` / `load_state_dict()` carry the position inside an epoch for exact resume. `stage_to` (a
-    node-local DIR, or auto) reads this rank's files from verified copies there, removed when the loader goes
-    (unless `keep_staged`), as `hpctrain train --stage-to` does; `staged` says what was copied.
+    Every rank gets the same number of batches per epoch (`len(loader)`): any other count would hang the
+    gradient allreduce. A rank with fewer samples gets a shorter last batch, never a duplicate. The order is a
+    pure function of (seed, epoch, rank, world size); `state_dict()` / `load_state_dict()` carry the position
+    inside an epoch for exact resume. `stage_to` (a node-local DIR, or auto) reads this rank's files from
+    verified copies there, removed when the loader goes (unless `keep_staged`), as `hpctrain train
+    --stage-to` does; `staged` says what was copied.
+
+    Shards of uneven size can leave a rank with nothing at the last step(s) of an epoch. By default
+    (`drop_empty=False`) that rank gets an empty batch there, so that every sample is trained on exactly once
+    per epoch; the DistributedOptimizer gives it no share of that step's mean. But a loss with
+    reduction="mean" over an empty batch is NaN (torch's built-in losses still give zero gradients, so the
+    model stays finite; what you log or check does not): compute it as
+    `loss_fn(out, y, reduction="sum") / max(1, len(y))` (the mean, and 0 for an empty batch), or pass
+    `drop_empty=True`. That drops, on every rank alike, the trailing steps of each epoch in which some rank
+    would have no sample (as torch's DistributedSampler(drop_last=True) does), so every batch handed out is
+    non-empty; `len(loader)` is the shorter count, and `samples_dropped` says how many samples (all ranks
+    together) each epoch leaves out (which ones changes from epoch to epoch when shuffling).
     """
 
     def __init__(self, data: str | Path, *, batch_size: int, split: str = "train", shuffle: bool = True,
-                 seed: int = 0, drop_empty: bool = True, stage_to: str | None = None, keep_staged: bool = False):
+                 seed: int = 0, drop_empty: bool = False, stage_to: str | None = None, keep_staged: bool = False):
         ctx = init()
         self.shardset = load_manifest(data)
         if split not in self.shardset.splits:
@@ -215,9 +268,18 @@ class ShardLoader:
         self.step = 0
         self.current: int | None = None  # the step of the batch handed out last (the one being trained on)
         self.drop_empty = drop_empty
+        # every rank's sample count is in the manifest: all ranks agree on the steps without talking
+        counts = [int(c) for c in self.reader.counts]
+        self.steps_per_epoch = self.reader.steps_per_epoch
+        if drop_empty:
+            if min(counts) == 0:
+                raise ConfigError(f"drop_empty=True: rank {counts.index(0)} has no samples of split {split!r} in "
+                                  f"{str(data)!r}, so every step would be dropped: use fewer ranks, or drop_empty=False")
+            self.steps_per_epoch = -(-min(counts) // batch_size)
+        self.samples_dropped = sum(max(0, c - self.steps_per_epoch * batch_size) for c in counts)
 
     def __len__(self) -> int:
-        return self.reader.steps_per_epoch
+        return self.steps_per_epoch
 
     def _stage(self, ctx: Context, split: str, stage_to: str, keep: bool) -> tuple[Any, staging.Staged]:
         error, plan = None, None
@@ -243,17 +305,18 @@ class ShardLoader:
         return float(sizes[self.rank]) / float(max(1, sizes.sum()))
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        import torch
-
-        start = self.step
-        for batch in self.reader.epoch(self.epoch, start):
-            x = torch.from_numpy(batch.x).to(self.device, non_blocking=True)
-            if x.dtype != torch.float32:
-                x = x.float()
-            y = torch.from_numpy(batch.y).to(self.device, non_blocking=True)
-            self.current = self.step
-            yield x, y
-            self.step += 1
+        batches = self.reader.epoch(self.epoch, self.step)
+        try:  # zip asks range first: no batch is read past the last step (drop_empty ends the epoch early)
+            for _, batch in zip(range(self.step, len(self)), batches):
+                x = torch.from_numpy(batch.x).to(self.device, non_blocking=True)
+                if x.dtype != torch.float32:
+                    x = x.float()
+                y = torch.from_numpy(batch.y).to(self.device, non_blocking=True)
+                self.current = self.step
+                yield x, y
+                self.step += 1
+        finally:
+            batches.close()
         self.epoch, self.step = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
@@ -269,12 +332,15 @@ class Checkpointer:
     """Atomic, verifiable checkpoints of a custom loop, stops on SIGTERM/SIGUSR2, exact resume.
 
         ck = hpctrain.Checkpointer("runs/x", every=100)
-        step = ck.restore(model, opt, loader)          # 0 on a fresh start
+        step = ck.restore(model, opt, loader, scheduler=sched)    # 0 on a fresh start
         ...
             step += 1
-            if ck.step(step, model, opt, loader):      # saves when due; True after a stop signal
+            if ck.step(step, model, opt, loader, scheduler=sched):  # saves when due; True after a stop signal
                 break
-        ck.close(step, model, opt, loader)             # the final checkpoint
+        ck.close(step, model, opt, loader, scheduler=sched)       # the final checkpoint
+
+    `scheduler` (optional, any torch LR scheduler) is saved with the optimizer and restored, so a warm-up or
+    a cosine schedule continues where it stopped instead of starting again at step 0.
     """
 
     def __init__(self, run_dir: str | Path, *, every: int | str = "auto", keep: int = 2):
@@ -283,17 +349,21 @@ class Checkpointer:
         self.manager = ckpt.CheckpointManager(self.run_dir, ctx.comm, every=every, keep=keep)
         self._installed = STOP.install()  # SIGTERM/SIGUSR2 set the flag (not in the main thread: left alone)
 
-    def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None) -> dict[str, Any]:
-        opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None,
+               scheduler: Any = None) -> dict[str, Any]:
+        opt = _state_owner(optimizer)
         opt_state, shard = checkpoint_entries(opt)  # sharded (zero=1/2): the layout, and this rank's slices
         compressor = optimizer.sync.compressor_state() if isinstance(optimizer, DistributedOptimizer) else None
         own = None if shard is None and compressor is None else {"optimizer": shard, "compress": compressor}
-        return dict(model_state=model.state_dict(), train_state={"optimizer": opt_state}, shard_state=own,
+        sched = scheduler.state_dict() if scheduler is not None else None  # replicated, as `hpctrain train`'s
+        return dict(model_state=model.state_dict(), train_state={"optimizer": opt_state, "scheduler": sched},
+                    shard_state=own,
                     rank_state={"rng": rngstate.capture(), "loader": loader.state_dict() if loader else None},
                     meta={"world_size": init().world_size, "api": True})
 
-    def restore(self, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> int:
-        """Load the newest complete checkpoint of run_dir into model, optimizer (and loader); return its step."""
+    def restore(self, model: Any, optimizer: Any, loader: ShardLoader | None = None, *, scheduler: Any = None) -> int:
+        """Load the newest complete checkpoint of run_dir into model, optimizer (and loader, scheduler);
+        return its step."""
         ctx = init()
         path = ckpt.latest(self.run_dir) if ctx.rank == 0 else None
         path = ctx.comm.bcast(str(path) if path else None)
@@ -301,9 +371,15 @@ class Checkpointer:
             return 0
         state = ckpt.load_broadcast(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
         model.load_state_dict(state["model"])
-        opt = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+        opt = _state_owner(optimizer)
         owns = [r.get("own") or {} for r in state["ranks"]]
         load_entries(opt, state["train"]["optimizer"], [own.get("optimizer") for own in owns])
+        if scheduler is not None:
+            if state["train"].get("scheduler") is None:
+                raise CheckpointError(f"checkpoint {path!r} holds no LR scheduler state (it was saved without "
+                                      "scheduler=), so the schedule would restart at step 0: restore without "
+                                      "scheduler= and set the schedule's position yourself, or use a new run_dir")
+            scheduler.load_state_dict(state["train"]["scheduler"])
         if isinstance(optimizer, DistributedOptimizer) and state["meta"]["world_size"] == ctx.world_size:
             if owns[ctx.rank].get("compress") is not None:
                 optimizer.sync.load_compressor_state(owns[ctx.rank]["compress"])
@@ -315,15 +391,17 @@ class Checkpointer:
         self.manager.last_saved = int(state["meta"]["step"])
         return int(state["meta"]["step"])
 
-    def step(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> bool:
+    def step(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None, *,
+             scheduler: Any = None) -> bool:
         """Call at every step boundary on every rank; returns True when the loop must stop (a checkpoint of
         this step has been written)."""
-        return self.manager.save(step, lambda: self._state(step, model, optimizer, loader),
+        return self.manager.save(step, lambda: self._state(step, model, optimizer, loader, scheduler),
                                  stop_requested=STOP.requested)
 
-    def close(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None) -> None:
+    def close(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None, *,
+              scheduler: Any = None) -> None:
         """Write the final checkpoint and restore the signal handlers."""
-        self.manager.save(step, lambda: self._state(step, model, optimizer, loader), final=True)
+        self.manager.save(step, lambda: self._state(step, model, optimizer, loader, scheduler), final=True)
         if self._installed:
             STOP.restore()
 

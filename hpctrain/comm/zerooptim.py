@@ -1,10 +1,12 @@
 """`ShardedOptimizer`: a torch optimizer that steps only the parameter slices this rank owns (ZeRO 1/2),
 and the conversions of its state to and from torch's own `state_dict` format.
 
-The wrapped optimizer's class is rebuilt over `ZeroSync.segments` with the same hyperparameters and param
-groups, so its state (momentum, Adam's moments) exists only for the owned slices: 1/W of it per rank. This
-is exact only for elementwise optimizers, whose update of an element reads nothing but that element's
-gradient and state; others (LBFGS, Adafactor, anything that looks at a whole tensor) are refused.
+The wrapped optimizer itself steps the slices: its param groups are re-pointed at `ZeroSync.segments` (as
+DeepSpeed's ZeRO does), so its state (momentum, Adam's moments) exists only for the owned slices, 1/W of it
+per rank, while its param-group dicts stay the ones the user and any LR scheduler attached to it hold: a
+change of lr, momentum, betas or weight decay applies at the next step, whoever makes it. This is exact only
+for elementwise optimizers, whose update of an element reads nothing but that element's gradient and state;
+others (LBFGS, Adafactor, anything that looks at a whole tensor) are refused.
 
 State format. A checkpoint of a sharded run holds the replicated `layout_state()` (param groups by the
 index of each parameter in the wrapped optimizer, and each parameter's shape) and each rank's
@@ -15,8 +17,8 @@ slices such a dict for this rank: a run saved on W ranks at any stage resumes on
 
 from __future__ import annotations
 
-import inspect
 import math
+import weakref
 from typing import Any
 
 from ..base.errors import CheckpointError, ConfigError
@@ -26,9 +28,23 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "R
 """torch.optim classes whose update is elementwise, so that stepping slices equals stepping tensors."""
 
 
+_OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref[ShardedOptimizer]]" = weakref.WeakKeyDictionary()
+
+
+def sharded_owner(optimizer: Any) -> "ShardedOptimizer | None":
+    """The ShardedOptimizer that the torch optimizer `optimizer` was given to, or None. Its own state is then
+    this rank's slices only: save, load or broadcast the state through the ShardedOptimizer."""
+    try:
+        ref = _OWNERS.get(optimizer)
+    except TypeError:  # not weakly referenceable: never given to a ShardedOptimizer
+        return None
+    return ref() if ref is not None else None
+
+
 class ShardedOptimizer:
     """`optimizer` (a torch.optim instance over the model's parameters, not stepped yet or with state that
-    is re-sliced) stepping only this rank's slices, then allgathering the parameters."""
+    is re-sliced) stepping only this rank's slices, then allgathering the parameters. From here on its param
+    groups hold this rank's slices of the parameters (`inner` is `optimizer`): step it through this object."""
 
     def __init__(self, optimizer: Any, sync: ZeroSync):
         kind = type(optimizer)
@@ -42,21 +58,31 @@ class ShardedOptimizer:
         missing = [tuple(p.shape) for p in sync.params if id(p) not in self.index]
         if missing:
             raise ConfigError(f"the optimizer does not hold every trainable parameter of the model (missing shapes "
-                              f"{missing[:3]}): give it model.parameters()")
+                              f"{missing[:3]}; an optimizer already sharded holds slices): give it model.parameters()")
         self.sync = sync
         mine: dict[int, list[Any]] = {}
         for seg in sync.segments:
             mine.setdefault(id(seg.param), []).append(seg)
-        groups, self.segments = [], []  # segments in the order of the rebuilt optimizer's parameters
-        for group in optimizer.param_groups:
-            segs = [seg for p in group["params"] for seg in mine.get(id(p), [])]
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [s.tensor for s in segs]})
-            self.segments.extend(segs)
+        saved = optimizer.state_dict() if optimizer.state else None
         self.group_params = [[self.index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        accepted = inspect.signature(kind.__init__).parameters  # AdamW's defaults hold a key its __init__ refuses
-        self.inner = kind(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-        if optimizer.state:
-            self.load_state_dict(optimizer.state_dict())
+        self.segments = []  # in the order of the optimizer's parameters from now on
+        for group in optimizer.param_groups:  # the same dicts: their hyperparameters stay the user's
+            segs = [seg for p in group["params"] for seg in mine.get(id(p), [])]
+            group["params"] = [s.tensor for s in segs]
+            self.segments.extend(segs)
+        optimizer.state.clear()  # it was keyed by whole parameters; re-sliced below
+        self.inner = optimizer
+        _OWNERS[optimizer] = weakref.ref(self)
+        # each slice's gradient is a view into the reduced shard: re-attached before every step, so that a
+        # zero_grad(set_to_none=True) on the optimizer itself cannot detach it
+        self._grads = [s.tensor.grad for s in self.segments]
+        if saved is not None:
+            self.load_state_dict(saved)
+
+    @property
+    def state(self) -> Any:
+        """The optimizer's state: this rank's slices only."""
+        return self.inner.state
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -69,6 +95,8 @@ class ShardedOptimizer:
         """Step the owned slices, then allgather the parameters (collective)."""
         if closure is not None:
             raise ConfigError("a sharded optimizer (--zero 1/2) takes no closure: compute the loss before step()")
+        for seg, grad in zip(self.segments, self._grads):
+            seg.tensor.grad = grad
         self.inner.step()
         self.sync.gather_params()
 
