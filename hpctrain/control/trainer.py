@@ -66,17 +66,19 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
             deadline(edge_budget(cfg.collective_timeout))  # until the watchdog takes over in _train
             comm = world()
         with contextlib.ExitStack() as stack:  # every thread, file and handler is undone here, on any exit
-            return _train(cfg, comm, env or read_env(), stack)
+            try:
+                return _train(cfg, comm, env or read_env(), stack)
+            except HpctrainError:
+                raise
+            except Exception:  # the traceback into the rank's log while its handler is still open
+                logging.getLogger(f"hpctrain.rank{comm.rank}").exception("training failed")
+                raise
     except HpctrainError as exc:
         error = exc
     except Exception as exc:
         rank = comm.rank if comm is not None else 0
         log_path = cfg.run_dir / "logs" / f"rank-{rank:04d}.log"
-        if log_path.parent.is_dir():
-            logging.getLogger(f"hpctrain.rank{rank}").exception("training failed")
-            where = f"traceback in {log_path}"
-        else:
-            where = "before the run directory was created"
+        where = f"traceback in {log_path}" if log_path.is_file() else "before the run directory was created"
         error = HpctrainError(f"rank {rank}: {type(exc).__name__}: {exc} ({where})")
         error.__cause__ = exc
     finally:

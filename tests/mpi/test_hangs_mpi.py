@@ -250,3 +250,16 @@ def test_a_bench_whose_rank_is_stuck_ends_instead_of_hanging() -> None:
             from hpctrain.tools.launch import kill_tree
             kill_tree(proc.pid)
             proc.wait()
+
+
+def test_an_unexpected_error_on_one_rank_leaves_its_traceback_in_the_log_it_names(digits2: Path, tmp_path: Path) -> None:
+    """The one-line error says "traceback in RUN/logs/rank-0001.log"; the traceback used to be logged after the
+    run had closed that log, so it went to the console and the log ended without it (found by the soak)."""
+    run = tmp_path / "r"
+    proc = mpirun(2, ["train", "--data", str(digits2), "--run-dir", str(run), "--epochs", "1",
+                      "--model", f"{SCRIPTS / 'failing_model.py'}:factory"], check=False, timeout=120)
+    log = run / "logs" / "rank-0001.log"
+    assert proc.returncode == 1 and f"ZeroDivisionError: a bug in the user's forward (traceback in {log})" in proc.stderr, \
+        proc.stderr
+    assert "Traceback (most recent call last)" not in proc.stderr
+    assert "Traceback (most recent call last)" in log.read_text() and "raise ZeroDivisionError" in log.read_text()
