@@ -1,10 +1,12 @@
 """Soak hpctrain with random chaos cases: `python benchmarks/soak.py --seed S --cases N [--jobs 1] [--out FILE.json]`.
 
-Each case is an ordinary training configuration plus one event at a random moment (tests/chaos/chaos.py
-says which and what is expected). Prints one row per case (config, event, moment, exit codes, seconds,
-verdict), the failures with their evidence and a one-line reproduction command each, and totals; exits 1
-when any case fails. `--case K` (repeatable) reruns single cases of the seed: the drawing is a pure function
-of (seed, index).
+Each case is a training configuration drawn from every option of `train` plus one event at a random moment,
+or a combination hpctrain must refuse, or a pair of configurations that must give the same model
+(tests/chaos/chaos.py says what is expected, chaos_space.py what is drawn). Prints one row per case (event,
+moment or pair difference, exit codes, seconds, verdict, config), the failures with their evidence and a
+one-line reproduction command each, the totals, and a per-option table (for each option value: cases,
+passed, hangs, other failures; markdown, for the README); exits 1 when any case fails. `--case K`
+(repeatable) reruns single cases of the seed: the drawing is a pure function of (seed, index).
 
     make soak SEED=1 CASES=200
     python benchmarks/soak.py --seed 1 --case 17 --keep-runs    # one failing case, its run directory kept
@@ -23,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "chaos"))
 
-from chaos import (ABORT, Harness, Outcome, draw_case, repro_command, subreaper, table_header,  # noqa: E402
-                   table_row, totals)
+from chaos import (ABORT, Harness, Outcome, draw_case, option_table, repro_command, subreaper,  # noqa: E402
+                   table_header, table_row, totals)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,14 +85,23 @@ def print_report(outcomes: list[Outcome], errors: list[str], stray: list[str], s
           f"max {max(seconds, default=0):.1f} s): {sums['passed']} passed, {sums['failed']} failed; "
           f"hangs {sums['hangs']}, unexpected exit codes {sums['unexpected_exit_codes']}, "
           f"hash mismatches {sums['hash_mismatches']}, step mismatches {sums['step_mismatches']}, "
-          f"left processes {sums['left_processes']}, harness errors {len(errors)}; "
-          f"ended by a signal no process could see yet (expected, resumed exactly) {sums['ended_by_an_unheld_signal']}")
+          f"ranks out of sync {sums['ranks_out_of_sync']}, left processes {sums['left_processes']}, "
+          f"non-finite losses {sums['nonfinite_losses']}, staging failures {sums['staging_failures']}, "
+          f"harness errors {len(errors)}; refused {sums['refused']} (judged wrongly refused or not: "
+          f"{sums['refusal_mismatches']}); pairs {sums['pairs']} (mismatches {sums['pair_mismatches']}, largest "
+          f"relative difference {fmt(sums['max_pair_rel_diff'])}); ended by a signal no process could see yet "
+          f"(expected, resumed exactly) {sums['ended_by_an_unheld_signal']}")
+    print("\nper option value (cases, passed, hangs, other failures):\n" + option_table(outcomes))
     if stray:
         print(f"STRAY PROCESSES after the soak: {stray}")
     for error in errors:
         print(error)
     if failed:
         print("reproduce: " + "; ".join(repro_command(o.case, deadline) for o in failed))
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(outcomes, errors, stray, sums, elapsed, args.deadline)
     if args.out:
         args.out.write_text(json.dumps({"seed": args.seed, "deadline_s": args.deadline, "workdir": str(workdir),
-                                        "totals": sums, "seconds": elapsed,
+                                        "totals": sums, "seconds": elapsed, "option_table": option_table(outcomes),
                                         "outcomes": [o.to_dict() for o in outcomes]}, indent=1, default=str))
     return 1 if sums["failed"] or errors or stray else 0
 

@@ -1,11 +1,12 @@
 """A randomized end-to-end hang matrix for `hpctrain launch -n W -- train ...`.
 
-A *case* is one ordinary, valid training configuration (world size, shard set, batch size, epochs,
-`--max-steps`, accumulation, overlap, wire format, checkpoint interval, ...) plus one *event* at a random
-moment: nothing, SIGTERM/SIGUSR2 to the launcher or to one rank, `kill -9` of one rank, or SIGSTOP of one
-rank. `draw_case(seed, index, data)` is a pure function of (seed, index), so any failure reruns alone
-(`python benchmarks/soak.py --seed S --case K`). `Harness.run_case` runs it and judges it against the
-contract (README "Checkpoints and restart", "Hangs and failures", CONTRACT.md):
+A *case* is one training configuration drawn from every option of `train` (chaos_space.SPACE, derived from
+TrainConfig: world size, shard set, model, optimizer, schedule, ZeRO, wire format, precision, staging,
+checkpoints, ...) plus one *event* at a random moment: nothing, SIGTERM/SIGUSR2 to the launcher or to one
+rank, `kill -9` of one rank, or SIGSTOP of one rank. `draw_case(seed, index, data)` is a pure function of
+(seed, index), so any failure reruns alone (`python benchmarks/soak.py --seed S --case K`).
+`Harness.run_case` runs it and judges it against the contract (README "Checkpoints and restart", "Hangs
+and failures", CONTRACT.md):
 
 - no event: exit 0, summary `steps` = the expected total, `ranks_in_sync`;
 - SIGTERM/SIGUSR2 (launcher or a rank): exit 3 (stopped, checkpoint written) or 0 (already finished)
@@ -18,594 +19,45 @@ contract (README "Checkpoints and restart", "Hangs and failures", CONTRACT.md):
 - after any non-zero exit, the same command again (`--resume auto`) exits 0 with the expected `steps` and
   the `param_sha256` of an uninterrupted run of the same configuration (run once per configuration and
   cached); an exit 0 after an event must give that hash too;
+- every run that ends with exit 0 logged only finite losses (metrics.jsonl, summary.json), and with
+  `--stage-to` staged something and left its copies exactly when `--keep-staged`;
+- a refused combination (chaos_space.REFUSALS) exits 2 before the first step with exactly one `error:`
+  line naming the problem; a combination that should run and is refused fails the case, and so does one
+  that runs and should have been refused;
+- a pair (chaos_space.PAIRS): the partner configuration's final model.pt equals the case's within
+  PAIR_RTOL (relative to the largest parameter), or bit for bit for --deterministic;
 - every run ends within its deadline (else it is a HANG: every process of it is killed by PID), and
   leaves no process behind.
 
-Processes are found through /proc only (psutil is not installed): each run carries a unique
-`HPCTRAIN_CHAOS_TOKEN` in its environment, which `mpirun` passes on to the ranks, so the launcher, mpirun
-and every rank of a run are found even after one of them died and its children were re-parented. The
-process that runs cases becomes a child subreaper (`PR_SET_CHILD_SUBREAPER`) while it does, so those
-orphans become its children and are reaped here (PID 1 of this machine does not reap orphans).
+The processes of a run are found, signalled and reaped in chaos_procs; shard sets and weight files are
+built in chaos_data.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
-import os
-import random
-import shlex
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from collections import defaultdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
-from hpctrain.base.stop import EDGE_FLOOR_S
-
-PYTHON = sys.executable
-TOKEN_VAR = "HPCTRAIN_CHAOS_TOKEN"
-
-# --- what a case may be ------------------------------------------------------------------------------
-
-EVENTS = ("none", "term-launcher", "usr2-launcher", "term-rank", "usr2-rank", "kill9-rank", "stop-rank")
-SIGNALS = {"term": signal.SIGTERM, "usr2": signal.SIGUSR2, "kill9": signal.SIGKILL, "stop": signal.SIGSTOP}
-# Sources (name, samples): digits is real data; the small synthetic sets give short and empty last batches.
-SOURCES = (("digits", 1797), ("digits", 1797), ("synthetic:39:5:3", 39), ("synthetic:203:8:4", 203),
-           ("synthetic:97:16:10", 97))
-VAL_FRACTIONS = (0.0, 0.1, 0.25)
-BATCH_SIZES = (1, 2, 3, 5, 7, 8, 13, 16, 32, 50, 64, 100, 256)
-MAX_TOTAL_STEPS = 300  # a step takes about a millisecond; start-up (import torch) dominates a run
-SIGNAL_WINDOW_S = 30.0  # a stop signal or kill -9 must end the job within this
-STOP_WINDOW_EXTRA_S = 30.0  # a SIGSTOPped rank: --collective-timeout (at the edges of a run EDGE_FLOOR_S) plus this
-
-# --- data --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """One shard set: `hpctrain shard SOURCE OUT --shards K --val-fraction F`."""
-
-    source: str
-    shards: int
-    val_fraction: float
-
-    @property
-    def name(self) -> str:
-        return f"{self.source.replace(':', '-')}_k{self.shards}_v{self.val_fraction:g}"
-
-    def short(self) -> str:
-        return f"{self.source}/{self.shards}sh/v{self.val_fraction:g}"
-
-
-def feasible_shards(samples: int, val_fraction: float, world: int) -> list[int]:
-    """Shard counts `shard` accepts (no more shards than samples in a non-empty split) that W divides."""
-    n_val = int(round(samples * val_fraction))  # as hpctrain.data.sharding does
-    limit = min(samples - n_val, n_val if n_val else samples, 12)
-    return [world * m for m in (1, 2, 3, 4) if world * m <= limit]
-
-
-class DataCache:
-    """Shard sets built on first use (once per session, thread-safe) in ROOT, with their manifests."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self._lock = threading.Lock()
-        self._manifests: dict[DataSpec, dict] = {}
-
-    def path(self, spec: DataSpec) -> Path:
-        return self.root / spec.name
-
-    def manifest(self, spec: DataSpec) -> dict:
-        with self._lock:
-            if spec not in self._manifests:
-                out = self.path(spec)
-                if not (out / "manifest.json").exists():
-                    self._build(spec, out)
-                self._manifests[spec] = json.loads((out / "manifest.json").read_text())
-            return self._manifests[spec]
-
-    def _build(self, spec: DataSpec, out: Path) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        cmd = [PYTHON, "-m", "hpctrain", "shard", spec.source, str(out), "--shards", str(spec.shards),
-               "--val-fraction", str(spec.val_fraction)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=base_env())
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
-
-
-def rank_samples(manifest: dict, world: int) -> list[int]:
-    """Training samples of each rank: rank r reads shards r, r+W, r+2W, ... (README "Data")."""
-    shards = manifest["splits"]["train"]["shards"]
-    return [sum(int(s["samples"]) for s in shards[r::world]) for r in range(world)]
-
-
-def steps_per_epoch(counts: list[int], batch_size: int, accumulate: int) -> int:
-    """Every rank runs as many steps as the rank with the most samples needs."""
-    return math.ceil(max(counts) / (batch_size * accumulate))
-
-
-# --- a case ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One configuration and one event; every field is drawn from (seed, index) by `draw_case`."""
-
-    seed: int
-    index: int
-    world: int
-    data: DataSpec
-    batch_size: int
-    accumulate: int
-    epochs: int
-    max_steps: int
-    overlap: bool
-    compress: str
-    checkpoint_every: int
-    log_every: int
-    collective_timeout: int
-    train_seed: int
-    steps_per_epoch: int
-    expected_steps: int
-    max_steps_note: str  # how max-steps was chosen, e.g. "end of epoch 2 - 1"
-    event: str
-    target_rank: int | None  # for the *-rank events
-    anchor: str  # start-up, training (first step to summary.json) or end (summary.json to exit): see `EventPlan`
-    fraction: float
-
-    def train_args(self, data_dir: Path, run_dir: Path) -> list[str]:
-        return ["--data", str(data_dir), "--run-dir", str(run_dir), "--batch-size", str(self.batch_size),
-                "--accumulate", str(self.accumulate), "--epochs", str(self.epochs), "--max-steps", str(self.max_steps),
-                "--overlap" if self.overlap else "--no-overlap", "--grad-compression", self.compress,
-                "--checkpoint-every", str(self.checkpoint_every), "--log-every", str(self.log_every),
-                "--collective-timeout", str(self.collective_timeout), "--seed", str(self.train_seed)]
-
-    def config_key(self) -> tuple:
-        """What determines the final parameters: the configuration without the event."""
-        return (self.world, self.data, self.batch_size, self.accumulate, self.epochs, self.max_steps, self.overlap,
-                self.compress, self.checkpoint_every, self.log_every, self.collective_timeout, self.train_seed)
-
-    def summary(self) -> str:
-        return (f"W{self.world} {self.data.short()} b{self.batch_size}x{self.accumulate} e{self.epochs} "
-                f"max{self.max_steps} ({self.expected_steps} of {self.steps_per_epoch}/ep) "
-                f"{'ovl' if self.overlap else 'noovl'} {self.compress} ck{self.checkpoint_every} "
-                f"log{self.log_every} cto{self.collective_timeout}")
-
-    def event_label(self) -> str:
-        if self.event == "none":
-            return "none"
-        kind, target = self.event.split("-")
-        who = "launcher" if target == "launcher" else f"rank {self.target_rank}"
-        return f"{SIGNALS[kind].name if kind != 'kill9' else 'kill -9'} {who}"
-
-    def window(self) -> float:
-        """How long after the event the job may take to end."""
-        if self.event == "stop-rank":  # a rank stopped in MPI_Init or MPI_Finalize: the edge deadline's turn
-            return max(self.collective_timeout, EDGE_FLOOR_S) + STOP_WINDOW_EXTRA_S
-        return SIGNAL_WINDOW_S
-
-
-def draw_case(seed: int, index: int, data: DataCache) -> Case:
-    """Case `index` of `seed`: a pure function of both (the manifests it reads are built deterministically).
-
-    The event is drawn first, from its own stream, so `event_of` can tell the event without building data.
-    """
-    event, rng = event_of(seed, index), random.Random(f"hpctrain-chaos:{seed}:{index}:config")
-    world = rng.choice((2, 3, 4) if event == "stop-rank" else (1, 2, 2, 3, 4))
-    source, samples = rng.choice(SOURCES)
-    val_fraction = rng.choice(VAL_FRACTIONS)
-    if not feasible_shards(samples, val_fraction, world):
-        val_fraction = 0.0  # too few validation samples for any shard count this world size can share
-    spec = DataSpec(source, rng.choice(feasible_shards(samples, val_fraction, world)), val_fraction)
-    counts = rank_samples(data.manifest(spec), world)
-    accumulate = rng.choice((1, 1, 2, 3))
-    # mostly batches that split a rank's data into several steps, sometimes one larger than all of it
-    fitting = [b for b in BATCH_SIZES if b * accumulate <= max(counts) // 2] or [1]
-    batch_size = rng.choice(fitting if rng.random() < 0.85 else BATCH_SIZES)
-    epochs = rng.randint(1, 3)
-    spe = steps_per_epoch(counts, batch_size, accumulate)
-    max_steps, note = draw_max_steps(rng, spe, epochs)
-    expected = min(spe * epochs, max_steps) if max_steps else spe * epochs
-    target = rng.randrange(world) if event.endswith("-rank") else None
-    return Case(seed=seed, index=index, world=world, data=spec, batch_size=batch_size, accumulate=accumulate,
-                epochs=epochs, max_steps=max_steps, overlap=rng.random() < 0.5, compress=rng.choice(("none", "fp16", "bf16")),
-                checkpoint_every=rng.choice((0, 0, 1, 2, 3, 5, 10)), log_every=rng.choice((1, 2, 5, 10, 25, 100)),
-                collective_timeout=rng.choice((10, 15, 20)), train_seed=rng.randrange(100), steps_per_epoch=spe,
-                expected_steps=expected, max_steps_note=note, event=event, target_rank=target,
-                anchor=rng.choices(("start", "train", "end"), weights=(3, 5, 2))[0], fraction=round(rng.random(), 3))
-
-
-def event_of(seed: int, index: int) -> str:
-    return random.Random(f"hpctrain-chaos:{seed}:{index}:event").choice(EVENTS)
-
-
-def draw_max_steps(rng: random.Random, spe: int, epochs: int) -> tuple[int, str]:
-    """0 (all epochs), a step 0-3 before an epoch's end (the reader prefetches 2 batches ahead), or any step.
-
-    Totals stay under MAX_TOTAL_STEPS so that a run is start-up plus a few seconds.
-    """
-    natural = spe * epochs
-    mode = rng.choice(("none", "end", "end", "any"))
-    ends = [e for e in range(1, epochs + 1) if e * spe <= MAX_TOTAL_STEPS]
-    if mode == "none" and natural <= MAX_TOTAL_STEPS:
-        return 0, "all epochs"
-    if mode in ("none", "end") and ends:
-        epoch, before = rng.choice(ends), rng.choice(range(min(4, spe)))  # stays inside that epoch
-        return epoch * spe - before, f"end of epoch {epoch} - {before}"
-    steps = rng.randint(1, min(natural, MAX_TOTAL_STEPS))
-    return steps, "anywhere"
-
-
-# --- processes ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    pid: int
-    ppid: int
-    state: str  # R, S, T (stopped), Z (zombie), ...
-    name: str
-    rank: int | None  # OMPI_COMM_WORLD_RANK, for processes mpirun started
-
-
-def base_env(token: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", TOKEN_VAR))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    if token:
-        env[TOKEN_VAR] = token
-    return env
-
-
-def read_proc(pid: int) -> tuple[int, str, str] | None:
-    """(ppid, state, name) from /proc/PID/stat, or None when the process is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    name = text[text.index("(") + 1:text.rindex(")")]
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), fields[0], name
-
-
-def scan(token_prefix: str) -> dict[int, Proc]:
-    """Every live process whose environment holds a token starting with `token_prefix` (zombies have none)."""
-    marker = f"{TOKEN_VAR}={token_prefix}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if marker not in environ:
-            continue
-        info = read_proc(pid)
-        if info is None:
-            continue
-        rank = None
-        for item in environ.split(b"\0"):
-            if item.startswith(b"OMPI_COMM_WORLD_RANK="):
-                rank = int(item.split(b"=", 1)[1])
-        found[pid] = Proc(pid, info[0], info[1], info[2], rank)
-    return found
-
-
-def rank_processes(procs: dict[int, Proc]) -> dict[int, Proc]:
-    """The rank processes mpirun started: those with a rank whose parent has none (not their own children)."""
-    ranks: dict[int, Proc] = {}
-    for p in sorted(procs.values(), key=lambda p: p.pid):
-        parent = procs.get(p.ppid)
-        if p.rank is not None and (parent is None or parent.rank is None) and p.rank not in ranks:
-            ranks[p.rank] = p
-    return ranks
-
-
-def holds(pid: int, sig: int) -> bool:
-    """Whether `pid` blocks or catches `sig` now (SigBlk | SigCgt in /proc/PID/status)."""
-    masks = 0
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("SigBlk:", "SigCgt:")):
-                masks |= int(line.split()[1], 16)
-    except OSError:
-        return True
-    return bool(masks >> (sig - 1) & 1)
-
-
-def send(pid: int, sig: int) -> bool:
-    try:
-        os.kill(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-_ACTIVE_LAUNCHERS: set[int] = set()  # launcher PIDs that a Popen owns (and will reap) right now
-_ACTIVE_LOCK = threading.Lock()
-ABORT = threading.Event()  # set on Ctrl-C: every running job is killed and reaped, no new one starts
-
-
-def kill_all(token: str, launcher: subprocess.Popen) -> list[str]:
-    """SIGKILL every process of a run, ranks first, then mpirun, then the launcher; returns what was killed."""
-    killed: list[str] = []
-    for _ in range(100):
-        procs = {p.pid: p for p in scan(token).values() if p.state != "Z"}
-        if launcher.poll() is None and launcher.pid not in procs:
-            procs[launcher.pid] = Proc(launcher.pid, os.getpid(), "?", "launcher", None)
-        if not procs:
-            break
-        order = sorted(procs.values(), key=lambda p: (p.rank is None, p.pid == launcher.pid, p.pid))
-        for p in order:
-            send(p.pid, signal.SIGCONT)
-            if send(p.pid, signal.SIGKILL):
-                label = f"{p.pid} {p.name}" + (f" (rank {p.rank})" if p.rank is not None else "")
-                if label not in killed:
-                    killed.append(label)
-        time.sleep(0.1)
-    try:
-        launcher.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    return killed
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
-ORPHAN_NAMES = ("mpirun", "orterun", "orted", "python", "python3", "hpctrain")
-
-
-def _subreaper() -> bool:
-    value = ctypes.c_int(0)
-    _libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0)
-    return bool(value.value)
-
-
-@contextmanager
-def subreaper() -> Iterator[None]:
-    """While inside, orphans of our runs (mpirun after its launcher died) become our children to reap."""
-    was = _subreaper()
-    if not was:
-        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    try:
-        yield
-    finally:
-        reap_orphans()
-        if not was:
-            _libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-
-
-def reap_orphans(pids: set[int] | None = None) -> list[int]:
-    """Reap zombie children that no Popen owns: the given PIDs, or any of our runs' process names."""
-    me, reaped = os.getpid(), []
-    candidates = pids if pids is not None else {int(e) for e in os.listdir("/proc") if e.isdigit()}
-    with _ACTIVE_LOCK:
-        owned = set(_ACTIVE_LAUNCHERS)
-    for pid in candidates - owned:
-        info = read_proc(pid)
-        if info is None or info[0] != me or info[1] != "Z":
-            continue
-        if pids is None and not info[2].startswith(ORPHAN_NAMES):
-            continue
-        try:
-            os.waitpid(pid, os.WNOHANG)
-            reaped.append(pid)
-        except ChildProcessError:
-            pass
-    return reaped
-
-
-# --- one run of a command ----------------------------------------------------------------------------
-
-
-@dataclass
-class EventPlan:
-    """When and to whom. The event comes `delay_s` after the run reaches its anchor: "start" the launch,
-    "train" the first step (metrics.jsonl appears), "end" the summary (summary.json appears). Start-up takes
-    seconds and training often a fraction of one, so anchoring on phases (each delay a fraction of that
-    phase in the reference run) spreads events over start-up, training, validation, checkpoint writes, the
-    final save and the exit instead of mostly over `import torch`."""
-
-    event: str
-    target_rank: int | None
-    delay_s: float
-    anchor: str
-    window_s: float
-
-
-@dataclass
-class RunResult:
-    name: str  # ref (the uninterrupted reference), run (with the event), resume
-    command: str
-    rc: int | None  # None: hung (killed by the harness)
-    seconds: float
-    hung: bool = False
-    hang_reason: str = ""
-    killed: list[str] = field(default_factory=list)
-    leftovers: list[str] = field(default_factory=list)
-    train_start_s: float | None = None  # when metrics.jsonl appeared: the training loop began
-    summary_at_s: float | None = None  # when summary.json appeared: training, validation and final save done
-    plan: EventPlan | None = None
-    event_delivered: bool = False
-    event_unheld: bool = False  # the target neither blocked nor caught the signal when it was sent
-    event_at_s: float | None = None
-    event_pid: int | None = None
-    moment: str = ""
-    summary: dict | None = None
-    stderr_tail: str = ""
-    rank_logs: dict[str, str] = field(default_factory=dict)
-
-    def exit_label(self) -> str:
-        if self.hung:
-            return "HANG"
-        label = signal.Signals(-self.rc).name if self.rc is not None and self.rc < 0 else str(self.rc)
-        return label + ("(unheld)" if self.died_of_an_unheld_stop() else "")
-
-    def died_of_an_unheld_stop(self) -> bool:
-        """A stop signal (not kill -9 or SIGSTOP, which nothing can hold) ended the run by its default action."""
-        stop = self.plan is not None and self.plan.event.split("-")[0] in ("term", "usr2")
-        return stop and self.event_unheld and self.rc not in (0, 3)
-
-
-def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadline_s: float, token: str,
-            plan: EventPlan | None = None, expected_steps: int = 0) -> RunResult:
-    """Run `argv` (an `hpctrain launch` command) to its end or its deadline, delivering `plan`'s event.
-
-    Whatever happens (a hang, an exception, Ctrl-C) every process of the run is killed and reaped before
-    this returns.
-    """
-    log_dir.mkdir(parents=True, exist_ok=True)
-    out, err = log_dir / f"{name}.stdout", log_dir / f"{name}.stderr"
-    start = time.monotonic()
-    with open(out, "w") as fout, open(err, "w") as ferr:
-        proc = subprocess.Popen(argv, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=base_env(token),
-                                start_new_session=True)
-    with _ACTIVE_LOCK:
-        _ACTIVE_LAUNCHERS.add(proc.pid)
-    result = RunResult(name, shlex.join(argv), None, 0.0, plan=plan)
-    seen: set[int] = set()
-    cutoff = start + deadline_s
-    fresh = not (run_dir / "metrics.jsonl").exists()  # a resumed run appends to the old one
-    stopped_pid: int | None = None
-    try:
-        next_scan = 0.0
-        while proc.poll() is None:
-            now = time.monotonic()
-            if fresh and result.train_start_s is None and (run_dir / "metrics.jsonl").exists():
-                result.train_start_s = now - start
-            if fresh and result.summary_at_s is None and (run_dir / "summary.json").exists():
-                result.summary_at_s = now - start
-            procs = None
-            if now >= next_scan:  # remember every process of the run, to reap it even once orphaned
-                procs = scan(token)
-                seen.update(procs)
-                next_scan = now + 0.25
-            if plan is not None and result.event_at_s is None and due(plan, now - start, result):
-                procs = procs if procs is not None else scan(token)
-                pid = proc.pid if plan.target_rank is None else getattr(rank_processes(procs).get(plan.target_rank), "pid", None)
-                if pid is not None:  # a rank not started yet is waited for
-                    result.moment = moment(run_dir, now - start, result.train_start_s, expected_steps)
-                    result.event_unheld = not holds(pid, SIGNALS[plan.event.split("-")[0]])
-                    result.event_delivered = send(pid, SIGNALS[plan.event.split("-")[0]])
-                    result.event_at_s, result.event_pid = now - start, pid
-                    if plan.event == "stop-rank":
-                        stopped_pid = pid
-                    if result.event_delivered:
-                        cutoff = min(cutoff, now + plan.window_s)
-            if ABORT.is_set():
-                result.hang_reason = f"{name}: interrupted (Ctrl-C)"
-                break
-            if now >= cutoff:
-                result.hung = True
-                after = (f"{plan.window_s:.0f} s after {plan.event} at +{result.event_at_s:.1f}s"
-                         if result.event_delivered else f"past its {deadline_s:.0f} s deadline")
-                result.hang_reason = f"{name}: still running {after}; {progress(run_dir, expected_steps)}"
-                break
-            time.sleep(0.01)
-        if plan is not None and result.event_at_s is None:
-            result.moment = f"{time.monotonic() - start:.1f}s ended first (not delivered)"
-    finally:
-        if result.hung or proc.poll() is None:  # cut off, or an exception (Ctrl-C) left it running
-            result.hung = True
-            result.hang_reason = result.hang_reason or f"{name}: interrupted by the harness"
-            result.killed = kill_all(token, proc)
-        else:
-            if stopped_pid is not None:
-                send(stopped_pid, signal.SIGCONT)  # a stopped rank the job left behind must be able to die
-            result.leftovers = leftovers(token)
-            if result.leftovers:
-                kill_all(token, proc)
-        result.seconds = time.monotonic() - start
-        result.rc = None if result.hung else proc.returncode
-        with _ACTIVE_LOCK:
-            _ACTIVE_LAUNCHERS.discard(proc.pid)
-        reap_orphans(seen | {p.pid for p in scan(token).values()})
-    result.summary = read_json(run_dir / "summary.json")
-    result.stderr_tail = tail(err.read_text(errors="replace"), 25)
-    result.rank_logs = {p.name: tail(p.read_text(errors="replace"), 8) for p in sorted((run_dir / "logs").glob("rank-*.log"))}
-    return result
-
-
-def due(plan: EventPlan, elapsed: float, run: RunResult) -> bool:
-    """`delay_s` into the anchor's phase, or at its end when this run gets there sooner than the reference did."""
-    begin = {"start": 0.0, "train": run.train_start_s, "end": run.summary_at_s}[plan.anchor]
-    end = {"start": run.train_start_s, "train": run.summary_at_s, "end": None}[plan.anchor]
-    return begin is not None and (elapsed >= begin + plan.delay_s or end is not None)
-
-
-def leftovers(token: str, grace_s: float = 5.0) -> list[str]:
-    """Processes of the run still alive `grace_s` after the launcher exited."""
-    end = time.monotonic() + grace_s
-    while True:
-        alive = [p for p in scan(token).values() if p.state != "Z"]
-        if not alive or time.monotonic() >= end:
-            return [f"{p.pid} {p.name} state {p.state}" + (f" rank {p.rank}" if p.rank is not None else "") for p in alive]
-        time.sleep(0.1)
-
-
-def moment(run_dir: Path, elapsed: float, train_start: float | None, expected: int) -> str:
-    """Where the run was when the event came: start-up, training (last logged step), checkpoint write, end."""
-    if train_start is None:
-        return f"{elapsed:.1f}s start-up"
-    if (run_dir / "summary.json").exists():
-        return f"{elapsed:.1f}s after summary"
-    last = last_logged_step(run_dir)
-    if any((run_dir / "checkpoints").glob(".tmp-step-*")):
-        phase = "ckpt write"
-    elif last >= expected:
-        phase = "final save"
-    else:
-        phase = "training"
-    return f"{elapsed:.1f}s {phase} (logged {last}/{expected})"
-
-
-def progress(run_dir: Path, expected: int) -> str:
-    beats = []
-    for path in sorted((run_dir / "logs").glob("rank-*.heartbeat")):
-        beat = read_json(path) or {}
-        beats.append(f"rank {beat.get('rank')} step {beat.get('step')} phase {beat.get('phase')}")
-    return f"last logged step {last_logged_step(run_dir)}/{expected}" + (f"; heartbeats: {', '.join(beats)}" if beats else "")
-
-
-def last_logged_step(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue
-    return 0
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def tail(text: str, lines: int) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-# --- judging a case ----------------------------------------------------------------------------------
+from chaos_data import DataCache
+from chaos_procs import ABORT, PYTHON, SIGNALS, EventPlan, RunResult, run_job, scan, subreaper
+from chaos_space import (EVENTS, OTHER_MODEL, PAIR_RTOL, PAIRS, REFUSALS, SPACE, STAGE_MISSING, WEIGHTS,
+                         WEIGHTS_OTHER, Case, Drawn, draw_case, event_of)
+
+__all__ = ["ABORT", "EVENTS", "Harness", "Outcome", "draw_case", "event_of", "option_table", "repro_command",
+           "subreaper", "table_header", "table_row", "totals"]
+LOSS_KEYS = ("loss", "val_loss", "epoch_train_loss", "train_loss")
 
 
 @dataclass
 class Failure:
-    kind: str  # hang | exit | steps | hash | sync | leftover
+    kind: str  # hang | exit | steps | hash | sync | leftover | refused | nonfinite | staged | pair
     text: str
 
 
@@ -628,6 +80,7 @@ class Outcome:
     failures: list[Failure]
     seconds: float
     reference_cached: bool = False
+    pair_diff: float | None = None  # max |a - b| / max |a| of the pair's final parameters
 
     @property
     def passed(self) -> bool:
@@ -648,6 +101,8 @@ class Outcome:
 
     def moment(self) -> str:
         run = self.event_run
+        if self.pair_diff is not None:
+            return f"pair diff {self.pair_diff:.1e}"
         return run.moment if run is not None and self.case.event != "none" else "-"
 
     def report(self) -> str:
@@ -668,7 +123,7 @@ class Outcome:
     def to_dict(self) -> dict:
         return {"case": asdict(self.case), "verdict": self.verdict, "seconds": round(self.seconds, 2),
                 "exits": self.exits(), "moment": self.moment(), "reference_cached": self.reference_cached,
-                "failures": [asdict(f) for f in self.failures],
+                "pair_diff": self.pair_diff, "failures": [asdict(f) for f in self.failures],
                 "runs": [asdict(r) for r in self.runs]}
 
 
@@ -676,8 +131,11 @@ def indent(text: str, n: int) -> str:
     return "\n".join(" " * n + line for line in text.splitlines())
 
 
-def check_finished(run: RunResult, case: Case, want_hash: str | None) -> list[Failure]:
-    """A run that exited 0: the summary has the expected steps, ranks agree, and the reference's hash."""
+# --- judging a case ----------------------------------------------------------------------------------
+
+
+def check_finished(run: RunResult, case: Case, want_hash: str | None, stage: Path) -> list[Failure]:
+    """A run that exited 0: the expected steps, ranks agree, the reference's hash, finite losses, staging."""
     s = run.summary
     if s is None:
         return [Failure("exit", f"{run.name}: exit 0 but no readable summary.json")]
@@ -689,6 +147,44 @@ def check_finished(run: RunResult, case: Case, want_hash: str | None) -> list[Fa
     if want_hash is not None and s.get("param_sha256") != want_hash:
         failures.append(Failure("hash", f"{run.name}: param_sha256 {str(s.get('param_sha256'))[:16]} differs from the "
                                         f"uninterrupted run's {want_hash[:16]}"))
+    bad = nonfinite_losses(run)
+    if bad:
+        failures.append(Failure("nonfinite", f"{run.name}: {len(bad)} non-finite losses logged, first {', '.join(bad[:3])}"))
+    return failures + check_staged(run, case, stage)
+
+
+def nonfinite_losses(run: RunResult) -> list[str]:
+    """Every loss in metrics.jsonl and summary.json that is NaN or infinite ("no loss logged" if none is)."""
+    try:
+        lines = (Path(run.run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        lines = []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    bad = [f"step {r.get('step')} {k}={r[k]}" for r in records + [dict(run.summary or {}, step="summary")]
+           for k in LOSS_KEYS if isinstance(r.get(k), (int, float)) and not math.isfinite(r[k])]
+    if not any(isinstance(r.get("loss"), (int, float)) for r in records):
+        bad.append("no loss logged in metrics.jsonl")
+    return bad
+
+
+def check_staged(run: RunResult, case: Case, stage: Path) -> list[Failure]:
+    """With --stage-to: bytes were staged, and the copies are gone at the end unless --keep-staged."""
+    if case.opt("stage_to") in (None, STAGE_MISSING):
+        return []
+    failures = []
+    if not (run.summary or {}).get("staged_bytes"):
+        failures.append(Failure("staged", f"{run.name}: --stage-to but summary staged_bytes is "
+                                          f"{(run.summary or {}).get('staged_bytes')}"))
+    left = sorted(p.name for p in stage.glob("hpctrain-*"))
+    if case.opt("keep_staged") and not left:
+        failures.append(Failure("staged", f"{run.name}: --keep-staged, yet no copies are left in {stage}"))
+    if not case.opt("keep_staged") and left:
+        failures.append(Failure("staged", f"{run.name}: copies left in {stage} without --keep-staged: {left}"))
     return failures
 
 
@@ -705,10 +201,55 @@ def check_ended(run: RunResult, case: Case) -> list[Failure]:
     allowed = {"none": {0}, "term": {0, 3}, "usr2": {0, 3}}.get(kind)
     if allowed is not None and kind != "none" and run.event_unheld:  # nothing could see it: the default action
         allowed = allowed | {-SIGNALS[kind], 128 + SIGNALS[kind]}
-    if allowed is not None and run.rc not in allowed:
+    if run.rc == 2 and run.error_lines:
+        failures.append(Failure("refused", f"{run.name}: refused a configuration that should run: {run.error_lines[0]}"))
+    elif allowed is not None and run.rc not in allowed:
         failures.append(Failure("exit", f"{run.name}: exit {run.exit_label()} after {case.event_label() if event != 'none' else 'no event'}"
                                         f" (expected {' or '.join(map(str, sorted(allowed)))}); stderr: {last_line(run.stderr_tail)}"))
     return failures
+
+
+def check_refused(run: RunResult, case: Case) -> list[Failure]:
+    """A refused combination: exit 2, one `error:` line that names the problem, no step trained."""
+    if run.hung:
+        return [Failure("hang", run.hang_reason)]
+    failures = []
+    if run.leftovers:
+        failures.append(Failure("leftover", f"{run.name}: processes left behind after exit: {'; '.join(run.leftovers)}"))
+    want = REFUSALS[case.refusal].fragment
+    errors = run.error_lines
+    if run.rc != 2 or len(errors) != 1 or want not in errors[0]:
+        got = " | ".join(errors) if errors else f"no error line (stderr: {last_line(run.stderr_tail)})"
+        failures.append(Failure("refused", f"{run.name}: {case.refusal} should exit 2 with one error line naming "
+                                           f"{want!r}; got exit {run.exit_label()}, {len(errors)} error lines: {got}"))
+    if (Path(run.run_dir) / "metrics.jsonl").exists():
+        failures.append(Failure("refused", f"{run.name}: trained before refusing {case.refusal} (metrics.jsonl exists)"))
+    return failures
+
+
+def compare_pair(case: Case, a: RunResult, b: RunResult) -> tuple[list[Failure], float | None]:
+    """The pair's final models: within PAIR_RTOL, or the same param_sha256 for an exact pair."""
+    diff = relative_difference(Path(a.run_dir) / "model.pt", Path(b.run_dir) / "model.pt")
+    if PAIRS[case.pair].exact:
+        ha, hb = (r.summary.get("param_sha256", "") for r in (a, b))
+        return ([] if ha == hb else [Failure("pair", f"{case.pair}: param_sha256 {ha[:16]} and {hb[:16]} differ "
+                                                     f"(relative difference {diff}); expected the same bits")]), diff
+    if diff is None or not diff <= PAIR_RTOL:
+        return [Failure("pair", f"{case.pair}: final parameters differ by {diff} of the largest one "
+                                f"(tolerance {PAIR_RTOL:g})")], diff
+    return [], diff
+
+
+def relative_difference(a: Path, b: Path) -> float | None:
+    """max |a - b| / max |a| over every tensor of two state_dicts (None when their keys or shapes differ)."""
+    import torch
+
+    wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    if wa.keys() != wb.keys() or any(wa[k].shape != wb[k].shape for k in wa):
+        return None
+    diff = max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa)
+    scale = max(float(wa[k].double().abs().max()) for k in wa)
+    return diff / scale if scale else diff
 
 
 def last_line(text: str) -> str:
@@ -733,23 +274,34 @@ class Harness:
     def token(self, label: str) -> str:
         return f"{self.session}-{label}-{uuid.uuid4().hex[:8]}"
 
-    def command(self, case: Case, run_dir: Path) -> list[str]:
+    def paths(self, case: Case, stage: Path) -> tuple[dict[str, str], dict[str, str]]:
+        """What a run's placeholders stand for, and its extra environment ($TMPDIR for --stage-to auto)."""
+        stage.mkdir(parents=True, exist_ok=True)
+        paths = {"stage": str(stage), "weights": "", "weights_other": ""}
+        kind = "lm" if case.data.lm else "classifier"
+        if case.opt("init_weights") == WEIGHTS:
+            paths["weights"] = str(self.data.weights(case.opt("model"), case.data))
+        if case.opt("init_weights") == WEIGHTS_OTHER:
+            paths["weights_other"] = str(self.data.weights(OTHER_MODEL[kind], case.data))
+        return paths, ({"TMPDIR": str(stage)} if case.opt("stage_to") == "auto" else {})
+
+    def command(self, case: Case, run_dir: Path, paths: dict[str, str], partner: bool = False) -> list[str]:
         return [PYTHON, "-m", "hpctrain", "launch", "-n", str(case.world), "--", "train",
-                *case.train_args(self.data.path(case.data), run_dir)]
+                *case.train_args(str(self.data.path(case.data)), str(run_dir), paths, partner)]
 
     def run_case(self, case: Case) -> Outcome:
         start = time.monotonic()
         case_dir = self.workdir / "cases" / f"seed{case.seed}-case{case.index}"
         shutil.rmtree(case_dir, ignore_errors=True)
+        self.data.manifest(case.data)  # built before any run (a harness error, not the case's, if it fails)
         run_dir = case_dir / "run"
         runs: list[RunResult] = []
-        if case.event == "none":
-            run = self._run(case, "run", run_dir, case_dir)
-            runs.append(run)
-            failures = check_ended(run, case) + (check_finished(run, case, None) if run.rc == 0 else [])
-            with self._lock:
-                self._refs.setdefault(case.config_key(), Reference(run, failures))
-            cached = False
+        cached, diff = False, None
+        if case.refusal:
+            runs.append(self._run(case, "run", run_dir, case_dir))
+            failures = check_refused(runs[0], case)
+        elif case.event == "none":
+            failures, diff = self._uninterrupted(case, run_dir, case_dir, runs)
         else:
             ref, cached = self.reference(case)
             if not cached:
@@ -758,10 +310,29 @@ class Harness:
                 failures = [Failure(f.kind, f"uninterrupted reference: {f.text}") for f in ref.failures]
             else:
                 failures = self._interrupted(case, ref, run_dir, case_dir, runs)
-        outcome = Outcome(case, runs, failures, time.monotonic() - start, reference_cached=cached)
+        outcome = Outcome(case, runs, failures, time.monotonic() - start, reference_cached=cached, pair_diff=diff)
         if outcome.passed and not self.keep_runs:
             shutil.rmtree(case_dir, ignore_errors=True)
         return outcome
+
+    def _uninterrupted(self, case: Case, run_dir: Path, case_dir: Path,
+                       runs: list[RunResult]) -> tuple[list[Failure], float | None]:
+        """The run (kept as the configuration's reference), then the pair's partner compared with it."""
+        run = self._run(case, "run", run_dir, case_dir)
+        runs.append(run)
+        failures = check_ended(run, case) + (check_finished(run, case, None, case_dir / "stage") if run.rc == 0 else [])
+        with self._lock:
+            self._refs.setdefault(case.config_key(), Reference(run, failures))
+        if case.pair is None or failures:
+            return failures, None
+        pair = self._run(case, "pair", case_dir / "pair", case_dir, partner=True)
+        runs.append(pair)
+        failures = check_ended(pair, case)
+        if pair.rc != 0:
+            return failures, None
+        failures += check_finished(pair, case, None, case_dir / "stage-pair")
+        more, diff = compare_pair(case, run, pair)
+        return failures + more, diff
 
     def _interrupted(self, case: Case, ref: Reference, run_dir: Path, case_dir: Path, runs: list[RunResult]) -> list[Failure]:
         """The event run, then (after a non-zero exit) the resume, judged against the reference."""
@@ -772,12 +343,12 @@ class Harness:
         if run.hung:
             return failures
         if run.rc == 0:
-            return failures + check_finished(run, case, want)
+            return failures + check_finished(run, case, want, case_dir / "stage")
         resume = self._run(case, "resume", run_dir, case_dir)
         runs.append(resume)
         failures += check_ended(resume, case)
         if resume.rc == 0:
-            failures += check_finished(resume, case, want)
+            failures += check_finished(resume, case, want, case_dir / "stage")
         return failures
 
     def plan(self, case: Case, ref: RunResult) -> EventPlan:
@@ -801,7 +372,7 @@ class Harness:
             ref_dir = self.workdir / "refs" / f"seed{case.seed}-case{case.index}"
             shutil.rmtree(ref_dir, ignore_errors=True)
             run = self._run(case, "ref", ref_dir / "run", ref_dir)
-            failures = check_ended(run, case) + (check_finished(run, case, None) if run.rc == 0 else [])
+            failures = check_ended(run, case) + (check_finished(run, case, None, ref_dir / "stage") if run.rc == 0 else [])
             if run.rc == 0 and run.summary is None:
                 failures.append(Failure("exit", "reference: no summary"))
             reference = Reference(run, failures)
@@ -809,10 +380,12 @@ class Harness:
                 self._refs[key] = reference
             return reference, False
 
-    def _run(self, case: Case, name: str, run_dir: Path, log_dir: Path, plan: EventPlan | None = None) -> RunResult:
-        return run_job(name, self.command(case, run_dir), run_dir, log_dir, deadline_s=self.deadline_s,
+    def _run(self, case: Case, name: str, run_dir: Path, log_dir: Path, plan: EventPlan | None = None,
+             partner: bool = False) -> RunResult:
+        paths, env = self.paths(case, log_dir / ("stage-pair" if partner else "stage"))
+        return run_job(name, self.command(case, run_dir, paths, partner), run_dir, log_dir, deadline_s=self.deadline_s,
                        token=self.token(f"s{case.seed}c{case.index}{name}"), plan=plan,
-                       expected_steps=case.expected_steps)
+                       expected_steps=case.expected_steps, env=env)
 
     def stray_processes(self) -> list[str]:
         """Any process of this session still alive (there should be none)."""
@@ -821,7 +394,7 @@ class Harness:
 
 # --- presenting results ------------------------------------------------------------------------------
 
-COLUMNS = (("#", 4), ("config", 74), ("event", 16), ("moment", 34), ("exits", 26), ("sec", 6), ("verdict", 7))
+COLUMNS = (("#", 4), ("event", 34), ("moment", 34), ("exits", 30), ("sec", 6), ("verdict", 7), ("config", 0))
 
 
 def table_header() -> str:
@@ -829,19 +402,55 @@ def table_header() -> str:
 
 
 def table_row(o: Outcome) -> str:
-    cells = (str(o.case.index), o.case.summary(), o.case.event_label(), o.moment(), o.exits(), f"{o.seconds:.1f}", o.verdict)
+    cells = (str(o.case.index), o.case.event_label(), o.moment(), o.exits(), f"{o.seconds:.1f}", o.verdict, o.case.summary())
     return "  ".join(c.ljust(w) for c, (_, w) in zip(cells, COLUMNS)).rstrip()
 
 
-def totals(outcomes: list[Outcome]) -> dict[str, int]:
-    """Cases with a hang, with an unexpected exit code, with a hash mismatch, and any failure at all."""
+def totals(outcomes: list[Outcome]) -> dict[str, int | float | None]:
+    """Cases with a hang, with an unexpected exit code, with a hash mismatch, ..., and any failure at all."""
     def count(kind: str) -> int:
         return sum(any(f.kind == kind for f in o.failures) for o in outcomes)
 
+    diffs = [o.pair_diff for o in outcomes if o.pair_diff is not None]
     return {"cases": len(outcomes), "passed": sum(o.passed for o in outcomes), "failed": sum(not o.passed for o in outcomes),
             "hangs": count("hang"), "unexpected_exit_codes": count("exit"), "hash_mismatches": count("hash"),
             "step_mismatches": count("steps"), "ranks_out_of_sync": count("sync"), "left_processes": count("leftover"),
+            "refused": sum(o.case.refusal is not None for o in outcomes), "refusal_mismatches": count("refused"),
+            "nonfinite_losses": count("nonfinite"), "staging_failures": count("staged"),
+            "pairs": sum(o.case.pair is not None for o in outcomes), "pair_mismatches": count("pair"),
+            "max_pair_rel_diff": max(diffs) if diffs else None,
             "ended_by_an_unheld_signal": sum(any(r.died_of_an_unheld_stop() for r in o.runs) for o in outcomes)}
+
+
+def option_values(case: Case) -> list[tuple[str, str]]:
+    """(option, value) pairs a case counts under in the per-option table."""
+    kind = case.event.split("-")
+    event = "refused" if case.refusal else case.event if kind[0] == "none" else f"{kind[0]} {kind[1]}"
+    items = [("world size", str(case.world)), ("data", case.data.source), ("event", event),
+             ("refusal", case.refusal or "-"), ("pair", case.pair or "-")]
+    for name, value in case.options:
+        entry = SPACE[name]
+        if isinstance(entry, Drawn) and entry.tabulate:
+            items.append((name, "(not passed)" if value is None else str(value)))
+    return items
+
+
+def option_table(outcomes: list[Outcome]) -> str:
+    """Markdown: for each option value, the cases drawn with it, passed, hangs and other failures."""
+    rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for o in outcomes:
+        hang = o.verdict == "HANG"
+        for key in option_values(o.case):
+            row = rows[key]
+            row[0] += 1
+            row[1] += o.passed
+            row[2] += hang
+            row[3] += not o.passed and not hang
+    order = ["world size", "data", "event", "refusal", "pair"] + [n for n, e in SPACE.items() if isinstance(e, Drawn)]
+    lines = ["| option | value | cases | passed | hangs | failures |", "|---|---|---|---|---|---|"]
+    for (name, value), (n, ok, hangs, fails) in sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+        lines.append(f"| {name} | {value} | {n} | {ok} | {hangs} | {fails} |")
+    return "\n".join(lines)
 
 
 def repro_command(case: Case, deadline_s: float | None = None) -> str:

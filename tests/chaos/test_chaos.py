@@ -1,9 +1,11 @@
 """The hang matrix on a fixed sample: one short case of each event kind, judged as `benchmarks/soak.py` does.
 
-Each case is an ordinary `hpctrain launch -n W -- train ...` configuration with one event at a random
-moment (tests/chaos/chaos.py: what is drawn and what is expected). The sample is fixed (seed 11, the
-indices below: a short case of every event kind, world sizes 1 to 4), so a failure here reruns alone with
-`python benchmarks/soak.py --seed 11 --case K --keep-runs`; `make soak` draws hundreds more.
+Each case is a `hpctrain launch -n W -- train ...` configuration drawn from every option of `train` with one
+event at a random moment, a combination hpctrain must refuse, or a pair that must give the same model
+(tests/chaos/chaos.py: what is expected; chaos_space.py: what is drawn). The sample is fixed (seed 36, the
+indices below: a short case of every event kind on 1 to 4 ranks, covering ZeRO stage 2, token data with a
+GPT, PowerSGD, fp16 compute, staging, a refused combination and a pair), so a failure here reruns alone with
+`python benchmarks/soak.py --seed 36 --case K --keep-runs`; `make soak` draws hundreds more.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from chaos import EVENTS, Harness, draw_case, event_of, repro_command, subreaper
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-SEED = 11
-# index: world size, event, what else it exercises (full config: `python benchmarks/soak.py --seed 11 --case K`)
-#   3 W4 SIGTERM launcher, --max-steps 1 (2 steps before the epoch's end)
-#   5 W2 SIGUSR2 launcher, 8 shards, checkpoint every step      8 W3 no event, digits with a val split
-#   9 W2 SIGSTOP rank 1, collective timeout 10 s                13 W2 kill -9 rank 1, checkpoint every step
-#  20 W2 SIGUSR2 rank 0, digits, log every step                 22 W1 SIGTERM to the only rank
-#  30 W2 SIGTERM rank 0, digits, one epoch
-CASES = (3, 5, 8, 9, 13, 20, 22, 30)
+SEED = 36
+# index: world size, event, what else it exercises (full config: `python benchmarks/soak.py --seed 36 --case K`)
+#  57 W1 SIGTERM launcher, digits, --stage-to DIR --keep-staged, bf16 compute, fp16 wire, a checkpoint a step
+#  46 W1 SIGUSR2 launcher, --zero 1, fp16 wire, --init-weights     79 W3 SIGTERM rank 1, token data, GPT,
+#  43 W2 SIGUSR2 rank 0, --zero 2 reduce-scatter-block, fp16          PowerSGD, --hierarchical, audit
+#  34 W2 kill -9 rank 0, --hierarchical, fp16 compute, adam         6 W2 SIGSTOP rank 1, powersgd:2, timeout 10 s
+#  78 W4 no event, pair: --overlap on/off, --zero 2                30 W1 refused: --keep 1 (token data)
+CASES = (57, 46, 79, 43, 34, 6, 78, 30)
 DEADLINE_S = 90  # a healthy run takes 3-10 s here; past this it is a hang
 
 
@@ -36,6 +38,17 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Harness:
 
 def test_the_sample_covers_every_event_kind() -> None:
     assert {event_of(SEED, i) for i in CASES} == set(EVENTS)
+
+
+def test_the_sample_covers_the_newer_options(harness: Harness) -> None:
+    cases = [draw_case(SEED, i, harness.data) for i in CASES]
+    options = [dict(c.options) for c in cases]
+    assert any(o["zero"] == 2 for o in options) and any(o["precision"] == "fp16" for o in options)
+    assert any(str(o["grad_compression"]).startswith("powersgd") for o in options)
+    assert any(c.data.lm and c.expected_steps >= 10 and not c.refusal for c in cases)
+    assert any(o["stage_to"] is not None and not c.refusal for c, o in zip(cases, options))
+    assert any(c.refusal for c in cases) and any(c.pair for c in cases)
+    assert {c.world for c in cases} == {1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("index", CASES, ids=[f"{i}-{event_of(SEED, i)}" for i in CASES])
