@@ -137,15 +137,11 @@ class ZeroSync(GradSync):
 
     def gather_params(self) -> None:
         """Every rank's updated slices to every rank: one in-place Allgather per bucket."""
-        import torch
-
         if self.comm.size == 1:
             return
         MPI = load_mpi()
         for bucket in self.buckets:
             flat = bucket.param_flat
-            if flat.is_cuda:
-                torch.cuda.current_stream(flat.device).synchronize()
             host = flat.cpu() if flat.is_cuda and self._staging else flat
             if len(set(bucket.counts)) == 1:
                 self.comm.mpi.Allgather(MPI.IN_PLACE, buffer_spec(host, MPI))
@@ -237,8 +233,6 @@ class ZeroSync(GradSync):
             return
         MPI = load_mpi()
         self._wire_round += send.numel() * (send.element_size() if self.compress == "none" else 2)  # the payload
-        if send.is_cuda:
-            torch.cuda.current_stream(send.device).synchronize()
         staged = send.is_cuda and self._staging
         if staged:
             send, out = send.cpu(), torch.empty(out.shape, dtype=out.dtype)
