@@ -88,6 +88,17 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     raise error
 
 
+def _agree_at_start_up(comm: Comm, error: HpctrainError | None, step: int) -> None:
+    """Raise on every rank when any rank failed its checks, or was asked to stop (a stop signal during start-up:
+    there is nothing new to save before the first step, so the job ends here rather than after a start-up
+    that can take minutes on a busy node, a launcher's --grace later). A collective."""
+    if error is None and STOP.requested:
+        name = signal.Signals(STOP.signum or signal.SIGTERM).name
+        error = StopRequested(f"stopped by {name} during start-up, before step {step + 1}: nothing new to save; "
+                              "run the same command to continue")
+    comm.agree(error)
+
+
 def _end_job(comm: Comm, error: HpctrainError) -> None:
     """This rank failed alone (a corrupt chunk in its shard, a failed allreduce, a full disk): the others
     are already on their way into the next collective and would wait for it forever. Say why here, on
@@ -125,8 +136,8 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     run.staged = staged
     audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg, comm.rank, start.step, audit_lines)
-    watchdog.phase("start-up barrier", start.step)
-    comm.barrier()
+    watchdog.phase("start-up agreement", start.step)
+    _agree_at_start_up(comm, None, start.step)
     watchdog.idle()
     sink = RunLog(cfg, comm.rank, log, stack, total_steps=run.total_steps, step=start.step, rates=run.rates)
     outcome = _loop(run, sink)
@@ -214,7 +225,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
     except HpctrainError as exc:
         error = exc
     watchdog.phase("start-up checks", 0)
-    comm.agree(error)
+    _agree_at_start_up(comm, error, 0)
     if plan is not None:  # --stage-to: room in DIR for what every rank of the node that stages there copies
         comm.agree(staging.space_error(plan, comm))
     if comm.rank == 0:

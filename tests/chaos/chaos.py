@@ -9,7 +9,8 @@ rank, `kill -9` of one rank, or SIGSTOP of one rank. `draw_case(seed, index, dat
 and failures", CONTRACT.md):
 
 - no event: exit 0, summary `steps` = the expected total, `ranks_in_sync`;
-- SIGTERM/SIGUSR2 (launcher or a rank): exit 3 (stopped, checkpoint written) or 0 (already finished)
+- SIGTERM/SIGUSR2 (launcher or a rank): exit 3 (stopped: a checkpoint written, or none when the stop came during
+  start-up, before the first step: nothing new to save) or 0 (already finished)
   within 30 s of the signal; never killed by the signal, unless it reached a process that at that instant
   neither blocked nor caught it (its SigBlk/SigCgt in /proc, read just before sending): the first
   milliseconds of the launcher's interpreter, or of a rank's `env` wrapper before it blocks the signals.
