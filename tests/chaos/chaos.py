@@ -27,7 +27,9 @@ and failures", CONTRACT.md):
   that runs and should have been refused;
 - a pair (chaos_space.PAIRS): the partner configuration's final model.pt equals the case's within
   PAIR_RTOL (relative to the largest parameter), or bit for bit for --deterministic;
-- every run ends within its deadline (else it is a HANG: every process of it is killed by PID), and
+- every run ends within its deadline, or, with no event, stops making progress only after it (a run still
+  writing its metrics or logs or entering new waits gets 20 s more at a time, up to 3 deadlines: slow on a
+  loaded node is not hung); else it is a HANG: every process of it is killed by PID; and
   leaves no process behind.
 
 The processes of a run are found, signalled and reaped in chaos_procs; shard sets and weight files are

@@ -244,6 +244,24 @@ class RunResult:
         return stop and self.event_unheld and self.rc not in (0, 3)
 
 
+PROGRESS_WINDOW_S = 20.0  # past its deadline a run with no event is a hang only if its files stood still this long
+HARD_CAP = 3  # ... and never past this many deadlines
+
+
+def _progressing(run_dir: Path) -> bool:
+    """Whether the run moved in the last PROGRESS_WINDOW_S seconds: it wrote its metrics or a rank log, or a
+    rank entered a new wait (every step enters the gradient allreduce: its heartbeat's `since`). A heartbeat
+    alone is no sign: the watchdog's thread beats in a hung rank too."""
+    times = [f.stat().st_mtime for f in [run_dir / "metrics.jsonl", *(run_dir / "logs").glob("rank-*.log")]
+             if f.exists()]
+    for beat in (run_dir / "logs").glob("rank-*.heartbeat"):
+        try:
+            times.append(float(json.loads(beat.read_text())["since"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return time.time() - max(times, default=0.0) < PROGRESS_WINDOW_S
+
+
 def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadline_s: float, token: str,
             plan: EventPlan | None = None, expected_steps: int = 0, env: dict[str, str] | None = None) -> RunResult:
     """Run `argv` (an `hpctrain launch` command) to its end or its deadline, delivering `plan`'s event.
@@ -292,6 +310,9 @@ def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadlin
             if ABORT.is_set():
                 result.hang_reason = f"{name}: interrupted (Ctrl-C)"
                 break
+            if now >= cutoff and not result.event_delivered and now < start + HARD_CAP * deadline_s \
+                    and _progressing(run_dir):  # slow on a loaded node, not hung: give it more time
+                cutoff = now + PROGRESS_WINDOW_S
             if now >= cutoff:
                 result.hung = True
                 after = (f"{plan.window_s:.0f} s after {plan.event} at +{result.event_at_s:.1f}s"
