@@ -50,6 +50,14 @@ class Rates:
         tokens = samples_per_s * self.targets
         return {"tokens_per_s": tokens, "mfu": tokens * self.flops_per_token / self.peak_flops if self.peak_flops else 0.0}
 
+    def summary(self, samples_per_s: float, last_val: dict[str, float]) -> dict[str, Any]:
+        """A language model's figures for summary.json: tokens/s, MFU and both of its inputs, perplexity, bits
+        per byte (nothing for a classifier)."""
+        if self.targets == 1:
+            return {}
+        return {**self.extra(samples_per_s), "flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
+                "seq_len": self.targets, **{k: last_val.get(k) for k in ("val_perplexity", "val_bits_per_byte")}}
+
     def validation(self, val: dict[str, float]) -> dict[str, float]:
         """Perplexity and bits per byte beside a language model's val_loss."""
         if self.targets == 1 or "val_loss" not in val:

@@ -436,15 +436,6 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
     sink.write(out.step, epoch, loss_tot, n_tot, run.scheduler.get_last_lr()[0], extra, ended=ended)
 
 
-def _lm_summary(run: Run, out: Outcome, samples_per_s: float) -> dict[str, Any]:
-    """A language model's figures: tokens/s, MFU and both of its inputs, perplexity, bits per byte."""
-    if run.rates.targets == 1:
-        return {}
-    return {**run.rates.extra(samples_per_s), "flops_per_token": run.rates.flops_per_token,
-            "peak_flops": run.rates.peak_flops, "seq_len": run.rates.targets,
-            **{k: out.last_val.get(k) for k in ("val_perplexity", "val_bits_per_byte")}}
-
-
 def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     """Stop with exit 3 after a stop; else the final validation, the ranks' agreement on the parameters,
     summary.json and model.pt."""
@@ -483,7 +474,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "staged_bytes": run.staged.total_bytes, "staging_s": run.staged.max_seconds, "precision": cfg.precision,
         "grad_compression": cfg.grad_compression, "wire_bytes_per_step": run.sync.wire_bytes,
         "zero": cfg.zero, "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
-        "torch_threads": torch.get_num_threads(), **_lm_summary(run, out, samples_per_s or 0.0),
+        "torch_threads": torch.get_num_threads(), **run.rates.summary(samples_per_s or 0.0, out.last_val),
         "checkpoint": {"saves": m.saves, "stall_s": m.stall_seconds, "write_s": m.write_seconds,
                        "write_cpu_s": m.write_cpu_seconds,
                        "async_stall_median_s": statistics.median(m.async_stalls) if m.async_stalls else None,
