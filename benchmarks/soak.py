@@ -47,30 +47,37 @@ def interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_cases(harness: Harness, seed: int, indices: list[int], jobs: int) -> tuple[list[Outcome], list[str]]:
-    """Run the cases (`jobs` at a time), printing each row as it ends; harness errors are collected."""
+def run_cases(harness: Harness, seed: int, indices: list[int], jobs: int) -> tuple[list[Outcome], list[str], bool]:
+    """Run the cases (`jobs` at a time), printing each row as it ends; harness errors are collected. On Ctrl-C
+    (or SIGTERM) the running cases are killed and the ones that had ended are returned: (outcomes, errors,
+    interrupted)."""
     errors: list[str] = []
+    done: dict[int, Outcome] = {}
 
-    def one(index: int) -> Outcome | None:
+    def one(index: int) -> None:
         if ABORT.is_set():
-            return None
+            return
         try:
             outcome = harness.run_case(draw_case(seed, index, harness.data))
         except Exception as exc:  # noqa: BLE001 - a harness error (e.g. `shard` failed) fails this case only
             errors.append(f"case {index}: harness error: {type(exc).__name__}: {exc}")
             print(f"{index:<4}  ERROR {type(exc).__name__}: {exc}", flush=True)
-            return None
-        print(table_row(outcome), flush=True)
-        return outcome
+            return
+        if not ABORT.is_set():  # a case cut short by the interruption is not an outcome
+            done[index] = outcome
+            print(table_row(outcome), flush=True)
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         futures = [pool.submit(one, i) for i in indices]
         try:
-            return [o for o in (f.result() for f in futures) if o is not None], errors
-        except KeyboardInterrupt:  # the runs are in their own sessions: kill and reap them, then stop
+            for f in futures:
+                f.result()
+            interrupted = False
+        except KeyboardInterrupt:  # the runs are in their own sessions: kill and reap them, then report
             ABORT.set()
             pool.shutdown(wait=True, cancel_futures=True)
-            raise
+            interrupted = True
+    return [done[i] for i in indices if i in done], errors, interrupted
 
 
 def print_report(outcomes: list[Outcome], errors: list[str], stray: list[str], sums: dict, elapsed: float,
@@ -114,21 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seed {args.seed}, {len(indices)} case(s), deadline {args.deadline:g} s, workdir {workdir}", flush=True)
     print(table_header(), flush=True)
     started = time.monotonic()
-    try:
-        with subreaper():
-            outcomes, errors = run_cases(harness, args.seed, indices, args.jobs)
-    except KeyboardInterrupt:
-        print(f"interrupted: every process of the runs was killed; workdir {workdir}", file=sys.stderr)
-        return 130
+    with subreaper():
+        outcomes, errors, interrupted = run_cases(harness, args.seed, indices, args.jobs)
+    if interrupted:
+        print(f"\ninterrupted after {len(outcomes)} of {len(indices)} cases: the running ones were killed and are "
+              f"not counted; workdir {workdir}", flush=True)
     elapsed = time.monotonic() - started
     stray = harness.stray_processes()
     sums = dict(totals(outcomes), harness_errors=len(errors), stray_processes=len(stray))
     print_report(outcomes, errors, stray, sums, elapsed, args.deadline)
     if args.out:
         args.out.write_text(json.dumps({"seed": args.seed, "deadline_s": args.deadline, "workdir": str(workdir),
-                                        "totals": sums, "seconds": elapsed, "option_table": option_table(outcomes),
+                                        "totals": sums, "seconds": elapsed, "interrupted": interrupted,
+                                        "option_table": option_table(outcomes),
                                         "outcomes": [o.to_dict() for o in outcomes]}, indent=1, default=str))
-    return 1 if sums["failed"] or errors or stray else 0
+    return 130 if interrupted else 1 if sums["failed"] or errors or stray else 0
 
 
 if __name__ == "__main__":
