@@ -49,6 +49,16 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if k not in NOT_A_CHANGE and old.get(k) != new.get(k)]
 
 
+def kept_reducer(cfg: TrainConfig, state: dict[str, Any] | None, world: int) -> str | None:
+    """With --zero-reduce auto, the reducer the checkpoint's run chose (on the same world size), else None.
+
+    auto times the reducers at start-up and keeps the fastest; on 3 or more ranks they sum in different
+    orders, so a resume that chose anew could continue with other bits than the run it resumes."""
+    if cfg.zero_reduce != "auto" or state is None or state["meta"].get("world_size") != world:
+        return None
+    return state["meta"].get("zero_reduce")
+
+
 def thread_change(saved: int | None) -> list[str]:
     """The warning for a resume on another number of torch threads per rank (empty when the same or unknown):
     torch's CPU kernels split their sums by thread, so the run goes on correctly but no longer bit for bit."""
@@ -112,5 +122,5 @@ def state(run: Any, sink: Any, epoch: int, in_epoch: int, segments: list[tuple[i
         meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
               "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
               "config": run.cfg.to_dict(), "schedule_steps": run.total_steps,
-              "torch_threads": _threads()},
+              "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None)},
     )

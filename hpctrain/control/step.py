@@ -154,13 +154,14 @@ def make_optimizer(cfg: TrainConfig, params: Any) -> Any:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
 
 
-def make_sync(cfg: TrainConfig, model: Any, comm: Comm, overlap: bool) -> tuple[GradSync, Any]:
+def make_sync(cfg: TrainConfig, model: Any, comm: Comm, overlap: bool, *, reduce: str | None = None) -> tuple[GradSync, Any]:
     """The gradient sync and the optimizer of a run: an allreduce and a plain optimizer, or with --zero 1/2 a
-    reduce-scatter and an optimizer that steps only this rank's slices (parameters become bucket views)."""
+    reduce-scatter and an optimizer that steps only this rank's slices (parameters become bucket views);
+    `reduce` overrides --zero-reduce (a resume keeps the reducer its checkpoint was written with)."""
     optimizer = make_optimizer(cfg, model.parameters())
     if cfg.zero:
         sync = ZeroSync(model.parameters(), comm, stage=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=overlap,
-                        compress=cfg.grad_compression, deterministic=cfg.deterministic, reduce=cfg.zero_reduce)
+                        compress=cfg.grad_compression, deterministic=cfg.deterministic, reduce=reduce or cfg.zero_reduce)
         return sync, ShardedOptimizer(optimizer, sync)
     sync = GradSync(model.parameters(), comm, bucket_mb=cfg.bucket_mb, overlap=overlap, compress=cfg.grad_compression,
                     hierarchical=cfg.hierarchical, deterministic=cfg.deterministic)

@@ -337,13 +337,15 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
     watchdog.phase("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""), start.step)
-    sync, optimizer = make_sync(cfg, model, comm, overlap)
+    sync, optimizer = make_sync(cfg, model, comm, overlap, reduce=(kept := resume.kept_reducer(cfg, start.state, comm.size)))
     stack.callback(sync.close)
     watchdog.idle()
     scheduler = torch.optim.lr_scheduler.LambdaLR(getattr(optimizer, "inner", optimizer),
                                                   lr_factor(cfg.schedule, total_steps, cfg.warmup))
     for note in sync.notes:
         log.warning(note)
+    if kept:  # the same sums as the run this checkpoint is from
+        log.info("--zero-reduce auto: keeping %s, the reducer of the run the checkpoint is from", kept)
     log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s, zero stage %d", len(sync.buckets),
              cfg.bucket_mb, sync.overlap, cfg.grad_compression, cfg.zero)
     watchdog.phase("start-up: checkpoint manager", start.step)
@@ -473,7 +475,8 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "model": cfg.model, "data": str(cfg.data), "data_fingerprint": run.shardset.fingerprint,
         "staged_bytes": run.staged.total_bytes, "staging_s": run.staged.max_seconds, "precision": cfg.precision,
         "grad_compression": cfg.grad_compression, "wire_bytes_per_step": run.sync.wire_bytes,
-        "zero": cfg.zero, "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
+        "zero": cfg.zero, "zero_reduce": getattr(run.sync, "reduce", None),
+        "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
         "torch_threads": torch.get_num_threads(), **run.rates.summary(samples_per_s or 0.0, out.last_val),
         "checkpoint": {"saves": m.saves, "stall_s": m.stall_seconds, "write_s": m.write_seconds,
                        "write_cpu_s": m.write_cpu_seconds,

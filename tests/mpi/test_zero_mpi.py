@@ -109,3 +109,17 @@ def test_gradient_accumulation_at_stage_2_matches_stage_0(tmp_path: Path, digits
     train(2, digits4, run, "--max-steps", "5", "--accumulate", "3", "--optimizer", "adamw", "--lr", "0.01",
           "--zero", "2", "--overlap")
     assert max_diff(ref, run) <= 1e-5
+
+
+def test_a_resume_keeps_the_reducer_that_auto_chose(tmp_path: Path) -> None:
+    """--zero-reduce auto times the reducers at start-up and keeps the fastest; on 3 or more ranks they sum in
+    different orders, so a resume that chose anew continued with other bits (found by the soak: seed 7, case
+    87, allreduce at one start and reduce-scatter at the next). The checkpoint records the choice; a resume on
+    the same world size keeps it, and summary.json says which it was."""
+    data, run = tmp_path / "d3", tmp_path / "r"
+    hpctrain(["shard", "digits", str(data), "--shards", "3"])
+    first = train(3, data, run, "--zero", "1", "--max-steps", "3")
+    second = train(3, data, run, "--zero", "1", "--max-steps", "6")
+    assert second["resumed_from"] == 3 and second["zero_reduce"] == first["zero_reduce"] != "auto"
+    log = (run / "logs" / "rank-0000.log").read_text()
+    assert f"--zero-reduce auto: keeping {first['zero_reduce']}" in log
