@@ -82,11 +82,15 @@ def restore(run: Any) -> dict[str, int]:
         changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
                        f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
                        "on, the learning rate follows the new plan")
-    changes += thread_change(meta.get("torch_threads"))
     for change in changes:
         run.log.warning("config changed since the checkpoint: %s", change)
         if comm.rank == 0:
             print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
+    if meta["world_size"] == comm.size:  # an elastic resume is not bit-identical anyway: nothing to add
+        for change in thread_change(meta.get("torch_threads")):
+            run.log.warning("%s", change)
+            if comm.rank == 0:
+                print(f"warning: {change}", file=sys.stderr)
     run.model.load_state_dict(state["model"])
     run.model.to(run.device)
     owns = [r.get("own") or {} for r in state["ranks"]]  # each rank's own state: optimizer slices, error feedback
