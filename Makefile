@@ -35,7 +35,7 @@ demo: venv
 	@echo "summary: demo/run/summary.json"
 
 test: venv
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=30 tests
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # the local two-node Slurm cluster (munge, slurmctld, two slurmd on localhost) the tests use; try submit on it

@@ -25,6 +25,7 @@ import numpy as np
 from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
+from .benchlimit import limit_figures, plain_torch_step
 from .benchwatch import progress
 
 def parse_size(text: str) -> int:
@@ -136,7 +137,10 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         other, _, stage0_sync, _ = stepper(0)
     else:
         other = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
-    hp_times, other_times = _timed_rounds(comm, hp_step, other, steps, rounds, warmed=comm_times.clear)
+    plain = plain_torch_step(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n)
+    times = _timed_rounds(comm, {"hpctrain": hp_step, "plain": plain, "other": other}, steps, rounds,
+                          warmed=comm_times.clear)
+    hp_times, other_times = times["hpctrain"], times.get("other", [])
     hp_ms = statistics.median(hp_times) * 1e3
     result: dict[str, Any] = {
         "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
@@ -150,6 +154,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     if lm is not None:  # MFU as `train` reports it: tokens/s x FLOPs per token / all ranks' peak
         result.update(lm, vocab=vocab, tokens_per_s=global_n / hp_ms * 1e3)
         result["mfu"] = result["tokens_per_s"] * lm["flops_per_token"] / lm["peak_flops"]
+    raw_ms = _raw_allreduce_ms(comm, params) if comm.size > 1 else None
+    result.update(limit_figures(hp_times, times["plain"], raw_ms, overlap))
     if zero:
         return _beside_stage0(result, other_times, sync, stage0_sync)
     if other:
@@ -159,12 +165,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         progress("DDP teardown (gloo)")
         torch.distributed.destroy_process_group()
     result.update(_scaling(comm, model, sync, opt, loss_fn, xs, ys, params, device, bucket_mb=bucket_mb, steps=steps,
-                           rounds=rounds, global_n=global_n, hp_ms=hp_ms))
-    # the limit: every rank computing the same step at once with no communication, plus one raw allreduce of
-    # all gradient bytes where communication cannot overlap computation (one core per rank)
-    comm_floor = result.get("raw_allreduce_ms", 0.0) if not overlap else 0.0
-    result["limit_step_ms"] = result["compute_only_step_ms"] + comm_floor
-    result["step_over_limit"] = hp_ms / result["limit_step_ms"]
+                           rounds=rounds, global_n=global_n, hp_ms=hp_ms, raw_ms=raw_ms))
+    result["self_world_over_plain"] = result["self_world_step_ms"] / result["plain_torch_step_ms"]
     return result
 
 
@@ -198,13 +200,14 @@ def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float) -
 
 def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs: list[Any], ys: list[Any],
              params: int, device: Any, *, bucket_mb: float, steps: int, rounds: int, global_n: int,
-             hp_ms: float) -> dict[str, Any]:
-    """The sync of all gradients beside one raw allreduce, and the step of one rank alone (closes `sync`)."""
+             hp_ms: float, raw_ms: float | None) -> dict[str, Any]:
+    """The sync of all gradients beside one raw allreduce, the step of one rank alone, and hpctrain's step
+    with every rank its own world at once (closes `sync`)."""
     from ..control.step import train_step
 
     out: dict[str, Any] = {}
     if comm.size > 1:
-        out.update(_sync_beside_raw(comm, sync, params))
+        out.update(_sync_beside_raw(comm, sync, raw_ms))
     sync.close()
 
     def solo_step(solo: GradSync) -> None:
@@ -212,7 +215,7 @@ def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs:
 
     one_ms = _one_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps, rounds=rounds)
     out["single_rank_step_ms"] = one_ms
-    out["compute_only_step_ms"] = _every_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps,
+    out["self_world_step_ms"] = _every_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps,
                                                        rounds=rounds)
     out["scaling_efficiency"] = (global_n / hp_ms) / (comm.size * ys[0].size / one_ms)
     return out
@@ -342,39 +345,42 @@ def _ddp_baseline(comm: Comm, env: RankEnv, baseline: str | None, device: Any, f
     return None
 
 
-def _timed_rounds(comm: Comm, hp_step: Callable[[], None], ddp_step: Callable[[], None] | None, steps: int,
-                  rounds: int, *, warmed: Callable[[], None]) -> tuple[list[float], list[float]]:
-    """Median step times per round, hpctrain's and the baseline's alternating; `warmed` runs after the
-    warm-up steps of both."""
+def _timed_rounds(comm: Comm, named: dict[str, Callable[[], None] | None], steps: int, rounds: int, *,
+                  warmed: Callable[[], None]) -> dict[str, list[float]]:
+    """Median step times per round (seconds, the slowest rank's) of each named step, alternating within every
+    round in the given order (the first is hpctrain's); `warmed` runs after the warm-up steps of all."""
     from ..base.progress import Progress
 
+    named = {k: fn for k, fn in named.items() if fn is not None}
     bar = Progress(rounds, "bench train", enabled=comm.rank == 0, unit="rounds")
-    hp_times: list[float] = []
-    ddp_times: list[float] = []
+    times: dict[str, list[float]] = {k: [] for k in named}
     for _ in range(2):
-        hp_step()
-        if ddp_step:
-            ddp_step()
+        for fn in named.values():
+            fn()
     warmed()
+    first = next(iter(named))
     for _ in range(rounds):
-        hp_times.append(_median_time(comm, hp_step, steps, warmup=1))
-        if ddp_step:
-            ddp_times.append(_median_time(comm, ddp_step, steps, warmup=1))
-        bar.update(1, hpctrain_ms=f"{hp_times[-1] * 1e3:.1f}")
+        for name, fn in named.items():
+            times[name].append(_median_time(comm, fn, steps, warmup=1))
+        bar.update(1, hpctrain_ms=f"{times[first][-1] * 1e3:.1f}")
     bar.close()
-    return hp_times, ddp_times
+    return times
 
 
-def _sync_beside_raw(comm: Comm, sync: GradSync, params: int) -> dict[str, float]:
+def _raw_allreduce_ms(comm: Comm, params: int) -> float:
+    """One raw mpi4py `Allreduce` of all gradient bytes (float32, host memory: the bound for the staging path
+    too), the slowest rank's median."""
+    flat = np.ones(params, np.float32)
+    return _median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
+
+
+def _sync_beside_raw(comm: Comm, sync: GradSync, raw_ms: float) -> dict[str, float]:
     """The sync of all gradients alone, beside one raw allreduce of the same bytes."""
-    flat = np.ones(params, np.float32)  # raw MPI on host memory: the bound for the staging path too
-    raw_ms = _median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
-
     sync_times = []
     progress("the sync alone")
     for _ in range(22):
         progress()
-        sync.zero()  # zeroing belongs to the next step, not to the sync: keep it out of the timing
+        # no zero(): it drops the gradients, and a wait would then time allocating zeros, not the sync
         comm.barrier()
         t0 = time.perf_counter()
         sync.wait()
@@ -411,12 +417,12 @@ def _one_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync], N
 
 def _every_rank_alone_ms(comm: Comm, model: Any, solo_step: Callable[[GradSync], None], *, bucket_mb: float,
                          steps: int, rounds: int) -> float:
-    """The step with no communication, every rank computing it at the same time (each with itself as the
-    world): what the hardware gives the step when the ranks share a node's memory bandwidth and caches. The
-    slowest rank's median."""
+    """hpctrain's step with no communication, every rank computing it at the same time, each with itself as
+    the world (`self_world_step_ms`: hpctrain's own per-step work beside the plain torch limit). The slowest
+    rank's median."""
     solo = GradSync(model.parameters(), self_comm(), bucket_mb=bucket_mb)
     times = []
-    progress("every rank's step alone")
+    progress("every rank's step alone, each its own world")
     for _ in range(rounds):
         comm.barrier()
         for _ in range(2):

@@ -28,6 +28,15 @@ def test_bench_train_json() -> None:
                 "scaling_efficiency"):
         assert r[key] > 0
     assert r["hpctrain"]["step_ms"] > 0 and r["ddp"]["step_ms"] > 0
+    # the honest limit: a plain torch step on every rank at once plus one raw allreduce where overlap cannot
+    # hide it, judged round by round; hpctrain's step as its own world stays beside it
+    assert r["limit_comm_ms"] == (0.0 if r["overlap"] else r["raw_allreduce_ms"])
+    assert r["plain_torch_step_ms"] > 0
+    assert r["limit_step_ms"] == pytest.approx(r["plain_torch_step_ms"] + r["limit_comm_ms"])
+    assert len(r["step_over_limit_rounds"]) == 1 and r["step_over_limit"] == r["step_over_limit_rounds"][0]
+    assert r["step_over_limit"] == pytest.approx(r["hpctrain"]["step_ms"] / r["limit_step_ms"])
+    assert r["self_world_step_ms"] > 0 and "compute_only_step_ms" not in r
+    assert r["self_world_over_plain"] == pytest.approx(r["self_world_step_ms"] / r["plain_torch_step_ms"])
 
 
 @pytest.mark.mpi

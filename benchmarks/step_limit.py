@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""The step against the honest limit, DDP and Horovod, in one run (issue 25).
+
+Reference workload: MLP 784-2048-2048-10, batch 64 per rank, 2 ranks, SGD (momentum 0.9, lr 0.01, the
+fused kernel `train` builds), one torch thread per core a rank owns. Every round runs, one after another:
+- the honest limit: two plain torch processes at once (`zero_grad(); loss.backward(); step()`, no hpctrain
+  code), each timing its step, then one raw mpi4py `Allreduce` of all gradient bytes (added to the step
+  where overlap cannot hide it: one core per rank);
+- hpctrain from outside: `hpctrain launch -n 2 -- train`, the wall time of a long minus a short run over
+  the step difference (start-up and the end cancel);
+- hpctrain's library API: the custom loop a user writes with `DistributedOptimizer`;
+- torch DDP (gloo), the same loop as users write it;
+- Horovod's own benchmark loop (its `pytorch_synthetic_benchmark.py` loop: zero_grad, forward, cross
+  entropy, backward, step through `hvd.DistributedOptimizer`) when `--horovod-python` names a Python with
+  Horovod (0.28.1 built from its PyPI sdist against the same Open MPI, see the README).
+It prints each one's median step time and its ratio to the limit (or hpctrain's to it) with the spread
+over the rounds.
+
+    python benchmarks/step_limit.py [--rounds 5] [--horovod-python /opt/hvd/bin/python] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+RANKS, BATCH, FEATURES, CLASSES, WIDTH = 2, 64, 784, 10, 2048
+
+
+def _threads() -> int:
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def _mlp() -> "object":
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
+                               torch.nn.ReLU(), torch.nn.Linear(WIDTH, CLASSES))
+
+
+def _batches(rank: int) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(BATCH, FEATURES, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
+            for _ in range(8)]
+
+
+def _timed(step, batches: list, steps: int) -> float:
+    """The median seconds of `steps` steps after 5 warm-up steps."""
+    times = []
+    for i in range(steps + 5):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        step(x, y)
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(kind: str, steps: int) -> None:
+    """One rank of a measured loop; rank 0 prints {"step_ms": slowest rank's median, ...} as JSON."""
+    import torch
+
+    torch.set_num_threads(_threads())
+    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    model, batches = _mlp(), _batches(rank)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    out: dict[str, float] = {}
+    if kind == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True),
+                                       named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        gather = lambda v: max(hvd.allgather_object(v))  # noqa: E731
+    elif kind == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['STEP_LIMIT_PORT']}", rank=rank,
+                                world_size=size)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+
+        def gather(v: float) -> float:
+            values = [None] * size
+            dist.all_gather_object(values, v)
+            return max(values)
+    elif kind == "api":
+        import hpctrain
+
+        ctx = hpctrain.init()
+        hpctrain.broadcast_parameters(model)
+        opt = hpctrain.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True),
+                                            model)
+        gather = lambda v: float(ctx.comm.allreduce_array([v], op="max")[0])  # noqa: E731
+    else:  # plain torch, then one raw allreduce of all gradient bytes
+        from mpi4py import MPI
+        import numpy as np
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+        gather = lambda v: MPI.COMM_WORLD.allreduce(v, op=MPI.MAX)  # noqa: E731
+        MPI.COMM_WORLD.Barrier()
+
+    def step(x, y) -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    out["step_ms"] = gather(_timed(step, batches, steps)) * 1e3
+    if kind == "plain":
+        grads = np.ones(sum(p.numel() for p in model.parameters()), np.float32)
+        MPI.COMM_WORLD.Barrier()
+        times = []
+        for i in range(25):
+            t0 = time.perf_counter()
+            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+        out["raw_allreduce_ms"] = gather(statistics.median(times)) * 1e3
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+
+
+def _mpirun(python: str, kind: str, steps: int) -> dict[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(["mpirun", "-n", str(RANKS), "--bind-to", "none", python, __file__, "--worker", kind,
+                           "--steps", str(steps)], capture_output=True, text=True, timeout=600,
+                          env=dict(ENV, STEP_LIMIT_PORT=str(port)))
+    if proc.returncode:
+        raise SystemExit(f"{kind} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _train_s(data: Path, run: Path, steps: int) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hpctrain", "launch", "-n", str(RANKS), "--", "train", "--data", str(data),
+                    "--run-dir", str(run), "--model", f"mlp:{WIDTH},{WIDTH}", "--batch-size", str(BATCH),
+                    "--max-steps", str(steps), "--epochs", "100", "--lr", "0.01", "--checkpoint-every", "0",
+                    "--resume", "never", "--log-every", "50"], check=True, capture_output=True, env=ENV, timeout=600)
+    return time.perf_counter() - t0
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=60, help="timed steps per loop and round")
+    ap.add_argument("--long", type=int, default=190, help="steps of the long `train` run (the short one: 40)")
+    ap.add_argument("--horovod-python", help="a Python that imports horovod.torch (else Horovod is skipped)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps)
+        return
+    kinds = ["plain", "api", "ddp"] + (["horovod"] if args.horovod_python else [])
+    rows: dict[str, list[float]] = {k: [] for k in ["limit", "plain", "raw_allreduce", "train", *kinds[1:]]}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        subprocess.run([sys.executable, "-m", "hpctrain", "shard", f"synthetic:{RANKS * BATCH * 200}:{FEATURES}:{CLASSES}",
+                        str(data), "--shards", str(RANKS), "--val-fraction", "0"], check=True, capture_output=True)
+        for r in range(args.rounds):
+            for kind in kinds:
+                got = _mpirun(args.horovod_python if kind == "horovod" else sys.executable, kind, args.steps)
+                rows[kind].append(got["step_ms"])
+                if kind == "plain":
+                    rows["raw_allreduce"].append(got["raw_allreduce_ms"])
+                    overlap = (os.cpu_count() or 1) // RANKS >= 2  # a spare core per rank: train overlaps
+                    rows["limit"].append(got["step_ms"] + (0.0 if overlap else got["raw_allreduce_ms"]))
+            long_s = _train_s(data, Path(tmp) / f"long{r}", args.long)
+            short_s = _train_s(data, Path(tmp) / f"short{r}", 40)
+            rows["train"].append((long_s - short_s) / (args.long - 40) * 1e3)
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()),
+                  file=sys.stderr, flush=True)
+    result: dict[str, object] = {"rounds": args.rounds, "step_ms": {k: statistics.median(v) for k, v in rows.items()},
+                                 "per_round_ms": rows}
+    ratios = {f"{k}_over_limit": [a / b for a, b in zip(rows[k], rows["limit"])] for k in ("train", "api")}
+    for k in ("ddp", "horovod"):
+        if rows.get(k):
+            ratios[f"{k}_over_train"] = [a / b for a, b in zip(rows[k], rows["train"])]
+    result["ratios"] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in ratios.items()}
+    if args.json:
+        print(json.dumps(result))
+        return
+    med = result["step_ms"]
+    print(f"reference MLP, {RANKS} ranks, batch {BATCH}/rank, {args.rounds} alternating rounds (median, min-max):")
+    print(f"  limit             {med['limit']:7.2f} ms  (plain torch {med['plain']:.2f} + raw allreduce "
+          f"{med['raw_allreduce']:.2f})")
+    for k in ("train", "api", "ddp", "horovod"):
+        if rows.get(k):
+            print(f"  {k:<17} {med[k]:7.2f} ms")
+    for k, v in ratios.items():
+        print(f"  {k:<22} {_spread(v)}")
+
+
+if __name__ == "__main__":
+    main()
