@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,8 +181,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return 1.0, 1.0
         return (self.loader.rank_weight(), 1.0) if self.loader is not None else (1.0, 1.0 / self.world_size)
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients before the next backward (torch's default); `set_to_none=False` leaves zeros."""
         self.sync.zero()
+        if not set_to_none:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
 
     def scale_loss(self, loss: Any) -> Any:
         """`opt.scale_loss(loss).backward()` multiplies the loss by this rank's weight, so the summed gradients
@@ -382,7 +389,9 @@ class Checkpointer:
             scheduler.load_state_dict(state["train"]["scheduler"])
         if isinstance(optimizer, DistributedOptimizer) and state["meta"]["world_size"] == ctx.world_size:
             if owns[ctx.rank].get("compress") is not None:
-                optimizer.sync.load_compressor_state(owns[ctx.rank]["compress"])
+                unfit = optimizer.sync.load_compressor_state(owns[ctx.rank]["compress"])
+                if unfit:
+                    warnings.warn(unfit, stacklevel=2)
         mine = state["ranks"][ctx.rank] if state["meta"]["world_size"] == ctx.world_size else None
         if mine is not None:
             rngstate.restore(mine["rng"])

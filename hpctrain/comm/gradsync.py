@@ -1,9 +1,14 @@
-"""Gradient synchronization: `GradSync`, a summing allreduce of a model's gradients in fused buckets.
+"""Gradient synchronization: `GradSync`, a summing allreduce of a model's gradients in buckets.
 
-Gradients live in flat, contiguous buckets (assigned here, in backward order), each parameter's `.grad` is a
-view into its bucket, and a bucket's allreduce runs on a dedicated communication thread as soon as all of
-its gradients are ready, so communication overlaps the rest of backward and no gradient memory is copied.
-The sum is flat, hierarchical (node, then node leaders) or in a fixed rank order (deterministic).
+Autograd owns the gradients, as in a plain torch step: `zero()` drops them (`.grad = None`), so backward
+neither zeroes nor accumulates into old memory, it hands over fresh tensors. A large gradient (at least
+`OWN_BYTES`) is a bucket alone and is reduced straight from its own memory; runs of small ones share a flat
+buffer they are copied into (their `.grad`s then become views into it), so one collective carries them.
+Measured on the reference MLP: the zeroing pass and the accumulation into persistent bucket views cost
+more than the small copies do (`hpctrain bench train`, README "The step against the limit").
+A bucket's allreduce runs on a dedicated communication thread as soon as all of its gradients are ready
+(with overlap), or in `wait()`. The sum is flat, hierarchical (node, then node leaders) or in a fixed rank
+order (deterministic).
 """
 
 from __future__ import annotations
@@ -17,73 +22,9 @@ from ..base.config import parse_grad_compression
 from ..base.errors import CommError, ConfigError
 from ..base.threads import join_logged
 from . import compress as compression
+from .buckets import Bucket, assign_buckets, bind_bucket, owned_bucket, trainable_in_backward_order
 from .wire import buffer_spec, sum_op
 from .world import Comm, cuda_aware, load_mpi
-
-
-def trainable_in_backward_order(params: Iterable[Any]) -> list[Any]:
-    """The distinct trainable parameters, last layers first; they must share one dtype and one device."""
-    unique: dict[int, Any] = {}
-    for p in params:
-        if p.requires_grad and id(p) not in unique:
-            unique[id(p)] = p
-    ordered = list(unique.values())[::-1]  # backward visits the last layers first
-    if not ordered:
-        raise ConfigError("the model has no trainable parameters")
-    dtypes = {p.dtype for p in ordered}
-    devices = {p.device for p in ordered}
-    if len(dtypes) > 1 or len(devices) > 1:
-        raise ConfigError(
-            f"all trainable parameters must share one dtype and device (found {sorted(map(str, dtypes))} "
-            f"on {sorted(map(str, devices))}); cast the model with .to() first"
-        )
-    return ordered
-
-
-def assign_buckets(ordered: list[Any], bucket_mb: float) -> list[list[Any]]:
-    """Cut the parameters, in order, into runs of at most `bucket_mb` MiB; a larger parameter is a run alone."""
-    limit = max(1, int(bucket_mb * 2**20) // ordered[0].element_size())
-    groups: list[list[Any]] = [[]]
-    size = 0
-    for p in ordered:
-        if groups[-1] and size + p.numel() > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += p.numel()
-    return groups
-
-
-class Bucket:
-    """A flat buffer holding the gradients of a run of parameters, in backward order."""
-
-    __slots__ = ("index", "flat", "params", "ready", "host", "wire", "done")
-
-    def __init__(self, index: int, flat: Any, params: list[Any]):
-        self.index = index
-        self.flat = flat
-        self.params = params
-        self.ready: set[int] = set()
-        self.host: Any = None  # pinned host staging buffer for device tensors on a non-CUDA-aware MPI
-        self.wire: Any = None  # 16-bit wire buffer when compressing
-        self.done = threading.Event()
-
-
-def flat_bucket(index: int, group: list[Any], dtype: Any, device: Any) -> Bucket:
-    """A zeroed flat buffer for `group` whose slices become the parameters' `.grad` (a gradient they already
-    have is copied in)."""
-    import torch
-
-    flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
-    offset = 0
-    for p in group:
-        n = p.numel()
-        view = flat[offset : offset + n].view_as(p)
-        if p.grad is not None:
-            view.copy_(p.grad)
-        p.grad = view
-        offset += n
-    return Bucket(index, flat, group)
 
 
 def _node_groups(comm: Comm, node_key: int | None) -> tuple[Comm, Comm | None]:
@@ -112,6 +53,7 @@ class GradSync:
     """
 
     EAGER = False  # reduce each bucket inline as soon as it is full even without overlap (see __init__)
+    OWN_BYTES = 1 << 18  # a gradient this large is a bucket alone, reduced from its own memory
 
     def __init__(
         self,
@@ -142,7 +84,7 @@ class GradSync:
         self.dtype = ordered[0].dtype
         self.device = ordered[0].device
         self.buckets: list[Bucket] = [self._make_bucket(i, group)
-                                       for i, group in enumerate(assign_buckets(ordered, bucket_mb))]
+                                       for i, group in enumerate(assign_buckets(ordered, bucket_mb, self.OWN_BYTES))]
         self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.deterministic = deterministic and comm.size > 1
         self.notes: list[str] = []
@@ -181,21 +123,19 @@ class GradSync:
 
     # -- the public step protocol ------------------------------------------------------------------
     def zero(self) -> None:
-        """Zero every bucket (and so every gradient) before the next step; re-attaches lost views.
+        """Before the next step: drop every gradient (`.grad = None`, as torch's `zero_grad()` does); the next
+        backward hands over fresh ones.
 
-        Buckets still on the wire (backward ran, step() did not) are awaited first: zeroing memory that is
+        Buckets still on the wire (backward ran, step() did not) are awaited first: touching memory that is
         being reduced would race the reduction, and skipping their collectives would strand other ranks."""
         if self._in_round and self._launched:
             self.wait()
         self._end_round()
         for bucket in self.buckets:
-            bucket.flat.zero_()
-            offset = 0
+            if bucket.own:
+                bucket.flat = None  # the gradient's memory goes with it
             for p in bucket.params:
-                n = p.numel()
-                if p.grad is None or p.grad.data_ptr() != bucket.flat[offset:].data_ptr():
-                    p.grad = bucket.flat[offset : offset + n].view_as(p)
-                offset += n
+                p.grad = None
 
     def wait(self) -> None:
         """Finish the allreduce of every bucket; afterwards each `.grad` holds the sum over ranks."""
@@ -233,19 +173,30 @@ class GradSync:
         """The compressor's per-rank state (error feedback, warm starts) for a checkpoint; None without one."""
         return self.compressor.state_dict() if self.compressor is not None else None
 
-    def load_compressor_state(self, state: dict[str, Any]) -> None:
+    def load_compressor_state(self, state: dict[str, Any]) -> str | None:
         """Restore `compressor_state()`; its tensors move to the memory the compressor works on (a checkpoint
-        loads on the CPU): the gradients' device, or the host when device gradients are staged through it."""
-        if self.compressor is not None:
-            self.compressor.load_state_dict(state, "cpu" if self._staging else self.device)
+        loads on the CPU): the gradients' device, or the host when device gradients are staged through it.
+        State saved for another bucket layout is not loaded; the returned line says so (None: loaded)."""
+        if self.compressor is None:
+            return None
+        sizes = {b.index: sum(p.numel() for p in b.params) for b in self.buckets}
+        wrong = {int(k): v.numel() for k, v in state.get("errors", {}).items() if sizes.get(int(k)) != v.numel()}
+        if wrong:  # another bucket layout (--bucket-mb, or an hpctrain that cut buckets otherwise)
+            index, n = next(iter(wrong.items()))
+            return (f"the checkpoint's {self.compress} error feedback does not fit these buckets (bucket {index} holds "
+                    f"{sizes.get(index, 0)} elements, its saved error {n}): it starts afresh; resume with the "
+                    "--bucket-mb and hpctrain version the run was written with to keep it")
+        self.compressor.load_state_dict(state, "cpu" if self._staging else self.device)
+        return None
 
     def grad_tensors(self) -> list[Any]:
         """The memory that holds the summed gradients after `wait()` (to unscale or check them)."""
-        return [b.flat for b in self.buckets]
+        return [b.flat for b in self.buckets if b.flat is not None]
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient memory this sync holds (its flat buckets)."""
-        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets if b.flat is not None)
+        """Bytes of gradient memory a step holds: the flat buckets, and the gradients reduced in place."""
+        held = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets if b.flat is not None and not b.own)
+        return held + sum(p.numel() * p.element_size() for b in self.buckets if b.own for p in b.params)
 
     def close(self) -> None:
         """Stop the communication thread and remove the hooks."""
@@ -259,12 +210,13 @@ class GradSync:
 
     # -- internals ---------------------------------------------------------------------------------
     def _make_bucket(self, index: int, group: list[Any]) -> Bucket:
-        return flat_bucket(index, group, self.dtype, self.device)
+        return owned_bucket(index, group, self.dtype, self.device)
 
     def _local_round(self) -> None:
         """A world of one: only the scaling is left to do."""
-        if self.prescale * self.postscale != 1.0:
-            for bucket in self.buckets:
+        for bucket in self.buckets:
+            bind_bucket(bucket)
+            if self.prescale * self.postscale != 1.0:
                 bucket.flat.mul_(self.prescale * self.postscale)
 
     def _start_overlap(self, ordered: list[Any]) -> None:
@@ -379,6 +331,7 @@ class GradSync:
         import torch
 
         MPI = load_mpi()
+        bind_bucket(bucket)  # every gradient of the bucket is ready (or will get none this step)
         flat = bucket.flat
         if self.device.type == "cuda" and self._staging:
             if bucket.host is None:

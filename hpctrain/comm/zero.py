@@ -11,8 +11,9 @@ rank keeps its slice: `reduce="auto"` times each once on the largest bucket at s
 fastest (every rank the same choice). MPI libraries differ here: Open MPI 4.1 on one node sums 23 MB with
 Allreduce in 2.7 ms, with Reduce_scatter in 6 ms and with Reduce_scatter_block in 13 ms, while on a network
 a reduce-scatter sends half the bytes of an allreduce.
-- Stage 1 keeps GradSync's persistent flat gradient buckets (each `.grad` a view into one) and
-  reduce-scatters from them: gradient memory stays whole, optimizer state is sharded.
+- Stage 1 holds gradients as GradSync does (autograd's own; a large one a bucket alone, reduce-scattered
+  from its own memory, small ones packed into a flat buffer): gradient memory stays whole, optimizer state
+  is sharded.
 - Stage 2 lets autograd produce fresh gradients; once backward has filled a bucket, its gradients are
   packed into one buffer (one, reused for every bucket; a bucket of one parameter is sent from its gradient
   directly), the `.grad`s are dropped and the buffer is reduce-scattered. A bucket's full gradient lives only while it is being
@@ -29,7 +30,8 @@ from typing import Any, Iterable
 
 from ..base.config import ZERO_REDUCERS as REDUCERS
 from ..base.errors import ConfigError
-from .gradsync import GradSync, Bucket, flat_bucket
+from .buckets import Bucket, bind_bucket, owned_bucket
+from .gradsync import GradSync
 from .wire import buffer_spec, sum_op
 from .world import Comm, load_mpi
 
@@ -123,18 +125,6 @@ class ZeroSync(GradSync):
             f" (timed at start-up: {self.probe})" if self.probe else ""))
 
     # -- the step protocol -------------------------------------------------------------------------
-    def zero(self) -> None:
-        """Before the next step: stage 1 zeroes the flat gradient buckets; stage 2 drops any gradient
-        left (the reduced slices are overwritten by the next reduce-scatter)."""
-        if self.stage == 1:
-            super().zero()
-            return
-        if self._in_round and self._launched:
-            self.wait()
-        self._end_round()
-        for p in self.params:
-            p.grad = None
-
     def gather_params(self) -> None:
         """Every rank's updated slices to every rank: one in-place Allgather per bucket."""
         if self.comm.size == 1:
@@ -171,8 +161,10 @@ class ZeroSync(GradSync):
         import torch
 
         n = sum(p.numel() for p in group)
-        flat = flat_bucket(index, group, self.dtype, self.device).flat if self.stage == 1 else None
-        bucket = _ZeroBucket(index, flat, group)
+        bucket = _ZeroBucket(index, None, group)
+        if self.stage == 1:  # gradients as GradSync holds them: a large one alone, small ones packed
+            owned = owned_bucket(index, group, self.dtype, self.device)
+            bucket.flat, bucket.views, bucket.own = owned.flat, owned.views, owned.own
         bucket.param_flat = torch.empty(n, dtype=self.dtype, device=self.device)
         offset = 0
         for p in group:
@@ -191,6 +183,8 @@ class ZeroSync(GradSync):
             self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
+        if self.stage == 1:
+            bind_bucket(bucket)
         send = bucket.flat if self.stage == 1 else self._pack(bucket)
         self._reduce_scatter(send, bucket)  # stage 2: `send` is freed on return
 

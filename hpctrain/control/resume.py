@@ -101,7 +101,9 @@ def restore(run: Any) -> dict[str, int]:
     if meta["world_size"] == comm.size:
         rngstate.restore(state["ranks"][comm.rank]["rng"])
         if owns[comm.rank].get("compress") is not None:
-            run.sync.load_compressor_state(owns[comm.rank]["compress"])
+            unfit = run.sync.load_compressor_state(owns[comm.rank]["compress"])
+            if unfit:
+                run.log.warning("%s", unfit)
     elif any(own.get("compress") is not None for own in owns):
         run.log.warning("the error feedback of --grad-compression starts empty: the checkpoint holds %d ranks' "
                         "errors, this run has %d", meta["world_size"], comm.size)

@@ -328,13 +328,20 @@ params_spec = st.lists(
 
 @settings(max_examples=60, **SETTINGS)
 @given(spec=params_spec, tied=st.lists(st.integers(0, 11), max_size=3),
-       bucket_mb=st.floats(1e-6, 3e-4) | st.just(25.0), dtype=st.sampled_from(["float32", "float64"]))
+       bucket_mb=st.floats(1e-6, 3e-4) | st.just(25.0), dtype=st.sampled_from(["float32", "float64"]),
+       own_bytes=st.sampled_from([1 << 18, 64, 8]))
 def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: list[int], bucket_mb: float,
-                          dtype: str) -> None:
+                          dtype: str, own_bytes: int) -> None:
+    """Buckets hold every trainable parameter once, in backward order; a large gradient is a bucket alone and
+    is reduced from its own memory, runs of small ones are packed into one flat buffer (their .grads then its
+    views); gradients a parameter had are kept; zero() drops them, as torch's zero_grad() does."""
     import torch
 
     from hpctrain.comm import Comm, GradSync
     from hpctrain.base.errors import ConfigError
+
+    class Sync(GradSync):
+        OWN_BYTES = own_bytes
 
     torch_dtype = getattr(torch, dtype)
     params = []
@@ -349,36 +356,47 @@ def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: 
     comm = Comm(None)
     if not trainable:
         with pytest.raises(ConfigError):
-            GradSync(registered, comm, bucket_mb=bucket_mb, overlap=False)
+            Sync(registered, comm, bucket_mb=bucket_mb, overlap=False)
         return
-    sync = GradSync(registered, comm, bucket_mb=bucket_mb, overlap=False)
+    sync = Sync(registered, comm, bucket_mb=bucket_mb, overlap=False)
     try:
         element = trainable[0].element_size()
         limit = bucket_mb * 2**20  # bytes
+        alone = min(max(1, int(limit) // element), max(1, own_bytes // element))  # elements
         order = [p for b in sync.buckets for p in b.params]
         # every trainable parameter in exactly one bucket, in backward order (reverse registration)
         assert [id(p) for p in order] == [id(p) for p in trainable[::-1]]
         sizes = [sum(p.numel() for p in b.params) for b in sync.buckets]
         for i, b in enumerate(sync.buckets):
-            assert b.index == i and b.params
-            assert b.flat.numel() == sizes[i] and b.flat.is_contiguous() and b.flat.dtype == torch_dtype
-            assert len(b.params) == 1 or sizes[i] * element <= limit, (sizes[i] * element, limit)
-            if i + 1 < len(sync.buckets):  # filled: the next parameter did not fit
-                assert (sizes[i] + sync.buckets[i + 1].params[0].numel()) * element > limit
+            assert b.index == i and b.params and b.own == (len(b.params) == 1)
+            if not b.own:
+                assert b.flat.numel() == sizes[i] and b.flat.is_contiguous() and b.flat.dtype == torch_dtype
+                assert sizes[i] * element <= limit and all(p.numel() < alone for p in b.params), (sizes[i], limit)
+            if i + 1 < len(sync.buckets):  # cut: the next parameter did not fit, or one of the two is alone
+                nxt = sync.buckets[i + 1].params[0].numel()
+                assert ((sizes[i] + nxt) * element > limit or nxt >= alone or b.params[-1].numel() >= alone)
+        for p in params:  # nothing is touched before the first step: a gradient that existed is the same
+            if before[id(p)] is None:
+                assert p.grad is None
+            else:
+                torch.testing.assert_close(p.grad, before[id(p)], rtol=0, atol=0)
+        sync.wait()  # a world of one: binds the buckets (as every reduction does)
+        for b in sync.buckets:
             base, offset = b.flat.data_ptr(), 0
             for p in b.params:
                 g = p.grad
                 assert g is not None and g.shape == p.shape and g.dtype == p.dtype
                 assert g.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()  # a view, no copy
                 assert g.data_ptr() == base + offset * element
-                assert base <= g.data_ptr() and g.data_ptr() + g.numel() * element <= base + sizes[i] * element
                 if before[id(p)] is not None:  # a gradient that existed is kept, now inside the bucket
                     torch.testing.assert_close(g, before[id(p)], rtol=0, atol=0)
+                else:  # one that got none is summed as zeros
+                    assert g.abs().sum() == 0
                 offset += p.numel()
         for p in params:  # frozen parameters keep what they had, and are in no bucket
             if not p.requires_grad:
                 assert (p.grad is None) == (before[id(p)] is None)
-        # writes to a bucket are writes to the gradients, and zero() keeps the views
+        # writes to a bucket are writes to the gradients
         for b in sync.buckets:
             b.flat.copy_(torch.arange(b.flat.numel(), dtype=torch_dtype))
         for b in sync.buckets:
@@ -386,10 +404,11 @@ def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: 
             for p in b.params:
                 torch.testing.assert_close(p.grad, b.flat[offset:offset + p.numel()].view_as(p), rtol=0, atol=0)
                 offset += p.numel()
-        sync.zero()
-        assert all(p.grad.abs().sum() == 0 for p in trainable)
-        assert all(p.grad.untyped_storage().data_ptr() == sync._bucket_of[id(p)].flat.untyped_storage().data_ptr()
-                   for p in trainable)
+        sync.zero()  # gradients are dropped; the next step's are fresh, and summed as zeros where there are none
+        assert all(p.grad is None for p in trainable)
+        assert all(b.flat is None for b in sync.buckets if b.own)
+        sync.wait()
+        assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in trainable)
     finally:
         sync.close()
 
