@@ -17,7 +17,9 @@ from conftest import PYTHON, hpctrain, mpi_env, summary
 from hpctrain.control import checkpoint as ckpt
 
 pytestmark = pytest.mark.mpi
-ARGS = ["--batch-size", "16", "--epochs", "3", "--audit-samples", "--log-every", "1", "--seed", "3"]
+# paced steps (>= 25 ms): the stop sent at step 26 lands inside epoch 1 (steps 23..45) on a loaded node too
+PACED = str(Path(__file__).parent / "scripts" / "paced_model.py") + ":factory"
+ARGS = ["--batch-size", "16", "--epochs", "3", "--audit-samples", "--log-every", "1", "--seed", "3", "--model", PACED]
 
 
 def test_four_ranks_to_two_mid_epoch(tmp_path: Path) -> None:
@@ -30,7 +32,7 @@ def test_four_ranks_to_two_mid_epoch(tmp_path: Path) -> None:
     deadline = time.time() + 180
     while time.time() < deadline:
         lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-        if lines and json.loads(lines[-1])["step"] >= 30:  # epoch 1 has steps 23..45 on 4 ranks
+        if lines and json.loads(lines[-1])["step"] >= 26:  # epoch 1 has steps 23..45 on 4 ranks
             break
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.02)
