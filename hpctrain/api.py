@@ -107,9 +107,10 @@ def _state_owner(optimizer: Any) -> Any:
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps any torch.optim optimizer with hpctrain's bucketed, overlapped gradient allreduce.
 
-    Gradients become views into flat buckets; each bucket's allreduce starts as soon as backward has
-    produced all of its gradients. `step()` waits for what is still in flight and steps the wrapped
-    optimizer; `zero_grad()` zeroes the buckets (never set gradients to None: they are the buckets).
+    Gradients stay autograd's own (a large one is reduced in its own memory, small ones packed into one
+    buffer per bucket); each bucket's allreduce starts as soon as backward has produced all of its
+    gradients. `step()` waits for what is still in flight and steps the wrapped optimizer; `zero_grad()`
+    drops the gradients, as torch's does (`set_to_none=False`: zeros).
     `no_sync()` is for gradient accumulation: backward inside it only accumulates.
 
     `zero=1` shards the optimizer state over the ranks (each rank steps only the parameter slices it owns,
