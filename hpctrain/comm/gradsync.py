@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 from ..base.config import parse_grad_compression
 from ..base.errors import CommError, ConfigError
+from ..base.hostmem import reuse_freed_memory
 from ..base.threads import join_logged
 from . import compress as compression
 from .buckets import Bucket, assign_buckets, bind_bucket, owned_bucket, trainable_in_backward_order
@@ -70,6 +71,7 @@ class GradSync:
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
         kind, _ = parse_grad_compression(compress)
+        reuse_freed_memory()  # zero() drops the gradients every step: their memory is kept for the next
         self.comm = comm
         self.compress = kind  # none, fp16 or bf16 on the wire; powersgd and topk: `compressor`
         self.compressor = compression.make(compress, comm)
