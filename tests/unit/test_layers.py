@@ -1,6 +1,7 @@
 """The layering the README's module map promises, checked on the source: who may import whom, by package.
 
     base  <-  compute, comm  <-  data  <-  control  <-  api, tools  <-  cli
+    base, comm  <-  horovod (Horovod's API, imported by user scripts only)
 
 Every import counts, the lazy ones inside functions included. Also: no import cycle between modules, no
 private name imported from another module, mpi4py only in comm, submitit only in the Slurm code, hpccm only
@@ -25,6 +26,7 @@ MAY_IMPORT = {
     "data": {"base", "comm", "data"},  # the shard writer runs on every rank of `launch -n N -- shard` and gathers over comm
     "control": {"base", "compute", "comm", "data", "control"},
     "api": {"base", "compute", "comm", "data", "control", "api"},
+    "horovod": {"base", "comm", "horovod"},  # Horovod's PyTorch API over the comm layer (import hpctrain.horovod)
     "tools": {"base", "compute", "comm", "data", "control", "tools"},
     "cli": {"base", "compute", "comm", "data", "control", "api", "tools", "cli"},
     "__init__": {"api"},  # lazily, on first use of the library API
