@@ -18,6 +18,7 @@ import numpy as np
 from .world import load_mpi
 
 _WIDE = {"float16": "float32", "bfloat16": "float32"}
+ALONE_BYTES = 1 << 18  # as GradSync.OWN_BYTES: measured on the reference MLP (README, the step against the limit)
 
 
 def torch_dtype(name: str) -> Any:
@@ -65,18 +66,24 @@ def _fusable(a: Any, b: Any) -> bool:
 
 
 def _groups(runnable: list[tuple[Any, Any, Any]], fusion_bytes: int) -> list[list[tuple[Any, Any, Any]]]:
+    """Consecutive fusable allreduces share one buffer up to `fusion_bytes`; one of at least `ALONE_BYTES` is
+    reduced alone, in its own memory when in place (copying it into a fusion buffer costs more than a
+    collective of its own)."""
     groups: list[list[tuple[Any, Any, Any]]] = []
-    size = 0
+    size, last_alone = 0, False
     for item in runnable:
         request = item[0]
         nbytes = (int(np.prod(request.shape, dtype=np.int64)) * torch_dtype(request.dtype).itemsize
                   if request.kind == "allreduce" else 0)
-        if groups and _fusable(groups[-1][0][0], request) and size + nbytes <= fusion_bytes:
+        alone = nbytes >= ALONE_BYTES
+        if (groups and not alone and not last_alone and _fusable(groups[-1][0][0], request)
+                and size + nbytes <= fusion_bytes):
             groups[-1].append(item)
             size += nbytes
         else:
             groups.append([item])
             size = nbytes
+        last_alone = alone
     return groups
 
 

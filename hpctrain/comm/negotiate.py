@@ -263,11 +263,14 @@ class Negotiator:
         return [recv[d:d + s].tobytes() for d, s in zip(displs.tolist(), sizes.tolist())]
 
     def _wait(self, request: Any) -> None:
-        """Poll one MPI request to completion, yielding the CPU; reports a stall and ends a stuck job."""
+        """Poll one MPI request to completion, yielding the CPU (a blocking MPI wait would spin a core the
+        rank's compute needs): sleeps grow with the wait, to at most 0.5 ms. Reports a stall; ends a stuck job."""
+        start = time.perf_counter()
         polls = 0
         while not request.Test():
             polls += 1
-            time.sleep(0 if polls < 64 else min(0.001, 0.00002 * polls))
+            waited = time.perf_counter() - start
+            time.sleep(0 if waited < 0.0002 else min(0.0005, waited / 10))
             if polls % 256 == 0:
                 self._check_stall()
 
