@@ -16,8 +16,13 @@ assert size == 2, size
 names = ["a", "b", "c"]
 tensors = {n: torch.full((5,), float(i + 1)) * (rank + 1) for i, n in enumerate(names)}
 order = names if rank == 0 else names[::-1]
-handles = {n: hvd.allreduce_async(tensors[n], name=n, op=hvd.Sum) for n in order}
-assert not all(hvd.poll(h) for h in handles.values())  # in flight: the thread does the work
+handles = {}
+if rank == 0:  # rank 1 submits after the barrier: until then rank 0's handles cannot be done
+    handles = {n: hvd.allreduce_async(tensors[n], name=n, op=hvd.Sum) for n in order}
+    assert not any(hvd.poll(h) for h in handles.values())  # in flight: the thread does the work
+hvd.barrier()
+if rank == 1:
+    handles = {n: hvd.allreduce_async(tensors[n], name=n, op=hvd.Sum) for n in order}
 for i, n in enumerate(names):
     assert torch.equal(hvd.synchronize(handles[n]), torch.full((5,), float(i + 1) * 3)), n
 
@@ -65,14 +70,18 @@ ref_opt.step()
 for p, q in zip(model.parameters(), reference.parameters()):
     assert torch.allclose(p, q, atol=1e-6), (p - q).abs().max()
 
-# 5. a name reused while in flight: ValueError at once, on the rank that did it
-pending = hvd.allreduce_async(torch.ones(2), name="twice")
+# 5. a name reused while in flight: ValueError at once, on the rank that did it. Each rank's name is its own
+# until the barrier, so nothing can complete it before the second submission (no race under load).
+pending = hvd.allreduce_async(torch.ones(2), name=f"twice{rank}")
 try:
-    hvd.allreduce_async(torch.ones(2), name="twice")
+    hvd.allreduce_async(torch.ones(2), name=f"twice{rank}")
 except ValueError as exc:
-    assert "twice" in str(exc)
+    assert f"twice{rank}" in str(exc)
 else:
     sys.exit("no ValueError for a duplicate name in flight")
+hvd.barrier()
+other = hvd.allreduce_async(torch.ones(2), name=f"twice{1 - rank}")
 hvd.synchronize(pending)
+hvd.synchronize(other)
 hvd.barrier()
 print(f"SEMANTICS OK {rank}", flush=True)
