@@ -224,6 +224,7 @@ class GradSync:
     def _start_overlap(self, ordered: list[Any]) -> None:
         """Hook every parameter's gradient-ready event and (with overlap) start the communication thread."""
         for p in ordered:
+            self._hooks.append(p.register_hook(self._guard(p)))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         if self.overlap:
             self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
@@ -255,16 +256,30 @@ class GradSync:
         finally:
             self.hook_seconds += time.perf_counter() - start
 
+    def _guard(self, param: Any) -> Callable[[Any], None]:
+        """A hook that runs before autograd accumulates `param`'s gradient: a second gradient for a parameter
+        whose bucket may be on the wire is refused there, before autograd writes `.grad` while the
+        communication thread binds it (two threads setting one tensor's `.grad` corrupt the heap)."""
+        bucket = self._bucket_of[id(param)]
+
+        def guard(grad: Any) -> None:
+            if self.enabled and id(param) in bucket.ready:
+                self._twice(param)
+
+        return guard
+
+    def _twice(self, param: Any) -> None:
+        raise CommError(
+            f"a gradient of shape {tuple(param.shape)} became ready twice before its allreduce was awaited: "
+            "a second backward() ran before step() without no_sync(); run all but the last backward of "
+            "an accumulation inside `with optimizer.no_sync():` (hpctrain train: --accumulate K)")
+
     def _mark_ready(self, param: Any) -> None:
         bucket = self._bucket_of[id(param)]
         with self._lock:
             self._begin_round()
-            if id(param) in bucket.ready:
-                # Its bucket may be on the wire right now: accumulating into it would race the reduction.
-                raise CommError(
-                    f"a gradient of shape {tuple(param.shape)} became ready twice before its allreduce was awaited: "
-                    "a second backward() ran before step() without no_sync(); run all but the last backward of "
-                    "an accumulation inside `with optimizer.no_sync():` (hpctrain train: --accumulate K)")
+            if id(param) in bucket.ready:  # its bucket may be on the wire: accumulating would race it
+                self._twice(param)
             bucket.ready.add(id(param))
             # Launch strictly in bucket order so every rank issues the same sequence of collectives.
             while self._launched < len(self.buckets):

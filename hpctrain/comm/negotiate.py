@@ -111,7 +111,8 @@ class Negotiator:
         self.size = mpi_comm.Get_size()
         self.fusion_bytes = int(_env_seconds("HOROVOD_FUSION_THRESHOLD", 64 * 2**20))
         self.stall_check_s = _env_seconds("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
-        self.stall_shutdown_s = _env_seconds("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0)
+        # Horovod never ends a stalled job by default; hpctrain does after its --collective-timeout default (0: never)
+        self.stall_shutdown_s = _env_seconds("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 300.0)
         self._abort = abort
         self._cv = threading.Condition()
         self._new: list[Entry] = []  # submitted, not announced yet
@@ -276,7 +277,8 @@ class Negotiator:
 
     def _check_stall(self) -> None:
         with self._cv:
-            oldest = min((e.submitted for e in self._inflight.values()), default=None)
+            # a joined rank waits for the others' remaining work, however long: not a stall
+            oldest = min((e.submitted for e in self._inflight.values() if e.request.kind != "join"), default=None)
         if oldest is None:
             return
         waited = time.monotonic() - oldest
