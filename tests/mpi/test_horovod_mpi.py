@@ -26,3 +26,12 @@ def test_a_tensor_one_rank_never_submits_is_reported_by_name_and_the_job_ends() 
     assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout
     assert time.monotonic() - start < 30
     assert "allreduce 'allreduce.never' submitted by rank(s) [0], missing on rank(s) [1]" in proc.stderr, proc.stderr
+
+
+@pytest.mark.mpi
+def test_sync_batch_norm_equals_one_batch_norm_and_elastic_resumes_from_its_commit(tmp_path: Path) -> None:
+    env = mpi_env(HPCTRAIN_ELASTIC_DIR=str(tmp_path / "elastic"))
+    first = mpirun(2, [str(SCRIPTS / "hvd_bn_elastic.py"), "first"], python_module=False, timeout=120, env=env)
+    assert first.stdout.count("BN OK") == 2 and first.stdout.count("ELASTIC OK") == 2, first.stdout + first.stderr
+    second = mpirun(2, [str(SCRIPTS / "hvd_bn_elastic.py"), "second"], python_module=False, timeout=120, env=env)
+    assert second.stdout.count("ELASTIC OK") == 2 and " 2 4" in second.stdout, second.stdout + second.stderr
