@@ -80,9 +80,6 @@ class ProcessGroup:
             self._negotiator = Negotiator(self.comm, self.ranks, abort=load_mpi().COMM_WORLD.Abort)
         return self._negotiator.submit(entry)
 
-    def stall_report(self) -> str:
-        return self._negotiator.stall_report() if self._negotiator is not None else "nothing in flight"
-
     def close(self, timeout: float = 10.0) -> bool:
         """Stop the negotiation thread (once nothing is in flight, or after `timeout`); the communicator is
         freed only when the thread ended (a thread still inside a collective keeps it)."""

@@ -76,7 +76,7 @@ def init(comm: Any = None, process_sets: Iterable[ProcessSet] | None = None) -> 
                              "use process sets (hvd.add_process_set) for subsets of ranks")
         world()
         STATE.topology = topology()
-        _size_threads(STATE.topology)
+        _size_threads()
         STATE.registry = registry()
         global_process_set._bind(0, ProcessGroup.create(STATE.registry, list(range(STATE.topology.size))))
         STATE.sets = {0: global_process_set}
@@ -85,16 +85,15 @@ def init(comm: Any = None, process_sets: Iterable[ProcessSet] | None = None) -> 
         add_process_set(process_set)
 
 
-def _size_threads(info: Topology) -> None:
-    """Give torch the CPUs this rank owns (unless the user chose: OMP_NUM_THREADS or torch.set_num_threads)."""
+def _size_threads() -> None:
+    """Give torch the CPUs this rank owns, as `hpctrain train` does (unless the user chose: OMP_NUM_THREADS or
+    torch.set_num_threads)."""
     import torch
 
     from ..base.rankenv import read_env
 
     if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() == os.cpu_count():
-        env = read_env()
-        cpus = env.cpus_per_task or max(1, env.cpus_available // max(1, info.local_size))
-        torch.set_num_threads(cpus)
+        torch.set_num_threads(read_env().torch_threads())
 
 
 def shutdown(timeout: float = 10.0) -> None:
