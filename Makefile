@@ -10,7 +10,7 @@ APT_PACKAGES := openmpi-bin libopenmpi-dev shellcheck
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 
-.PHONY: demo test deps venv clean slurm-up slurm-down slurm-status bench-slurm soak
+.PHONY: demo test docs deps venv clean slurm-up slurm-down slurm-status bench-slurm soak
 
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -37,6 +37,10 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -ra --durations=30 tests
 
+# the documentation site (MkDocs), built strictly: a broken link, a missing page or a bad docstring fails
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # the local two-node Slurm cluster (munge, slurmctld, two slurmd on localhost) the tests use; try submit on it
 slurm-up: ; $(SUDO) bash slurm/cluster.sh up
@@ -50,4 +54,4 @@ CASES ?= 200
 soak: venv ; $(PY) benchmarks/soak.py --seed $(SEED) --cases $(CASES)
 
 clean:
-	rm -rf demo $(VENV)
+	rm -rf demo site $(VENV)

@@ -3,7 +3,7 @@
 For each repeat: submit a 2-node `train` job (digits, --log-every 1) and time, from just before the
 submission, (a) sbatch returning the job id, (b) the job's supervisor starting (the record's `start` event),
 (c) the first training step landing in RUN/metrics.jsonl. For comparison, the same first step under
-`hpctrain launch -n 2` (no scheduler). Prints one JSON object; the README's numbers come from it.
+`hpctrain launch -n 2` (no scheduler). Prints one JSON object; docs/performance.md's numbers come from it.
 
     .venv/bin/python benchmarks/slurm_latency.py [--repeats 5] [--nodes 2] [--json-out FILE]
 

@@ -5,7 +5,7 @@ or a combination hpctrain must refuse, or a pair of configurations that must giv
 (tests/chaos/chaos.py says what is expected, chaos_space.py what is drawn). Prints one row per case (event,
 moment or pair difference, exit codes, seconds, verdict, config), the failures with their evidence and a
 one-line reproduction command each, the totals, and a per-option table (for each option value: cases,
-passed, hangs, other failures; markdown, for the README); exits 1 when any case fails. `--case K`
+passed, hangs, other failures; markdown, for docs/guides/hangs.md); exits 1 when any case fails. `--case K`
 (repeatable) reruns single cases of the seed: the drawing is a pure function of (seed, index).
 
     make soak SEED=1 CASES=200

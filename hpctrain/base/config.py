@@ -46,6 +46,65 @@ TRAIN_RENAMED = {"compress": "grad_compression"}
 SHARD_RENAMED = {"compression": "hdf5_compression"}
 
 
+# Each config's fields by section: the panels of `--help`, the `[tables]` of a TOML file and the reference's
+# tables. Every field is in exactly one section (a test checks it).
+TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
+    "run": ("run_dir", "epochs", "max_steps", "seed"),
+    "data": ("data", "batch_size", "shuffle", "stage_to", "keep_staged", "audit_samples"),
+    "model": ("model", "init_weights"),
+    "optimizer": ("optimizer", "lr", "momentum", "weight_decay", "schedule", "warmup", "clip_grad", "accumulate"),
+    "communication": ("bucket_mb", "grad_compression", "overlap", "hierarchical", "deterministic"),
+    "zero": ("zero", "zero_reduce"),
+    "precision": ("precision",),
+    "checkpoint": ("checkpoint_every", "mtbf_hours", "keep", "resume"),
+    "watchdog": ("collective_timeout", "checkpoint_timeout"),
+    "logging": ("log_every", "json", "tensorboard", "progress"),
+}
+SHARD_SECTIONS: dict[str, tuple[str, ...]] = {
+    "output": ("source", "out", "shards", "val_fraction", "seed", "force", "fsync"),
+    "storage": ("hdf5_compression", "chunk_rows", "normalize", "workers"),
+    "images": ("image_size", "channels", "skip_bad", "label_column"),
+    "text": ("tokenizer", "train_tokenizer", "seq_len", "text_field", "glob"),
+}
+SECTION_TITLES = {"run": "Run", "data": "Data", "model": "Model", "optimizer": "Optimizer and schedule",
+                  "communication": "Communication", "zero": "Memory (ZeRO)", "precision": "Precision",
+                  "checkpoint": "Checkpoint and resume", "watchdog": "Watchdog", "logging": "Logging",
+                  "output": "Source and output", "storage": "Storage", "images": "Images", "text": "Text"}
+
+
+def section_of(sections: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """{field: its section} for one of the *_SECTIONS tables."""
+    return {name: section for section, names in sections.items() for name in names}
+
+
+def section_panels(sections: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """{field: the title of its section}, for `--help`'s panels."""
+    return {name: SECTION_TITLES[section] for name, section in section_of(sections).items()}
+
+
+def flatten_sections(values: dict[str, Any], sections: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """A config file's keys with its `[section]` tables taken apart ({"optimizer": {"lr": 0.1}} -> {"lr": 0.1}).
+
+    Flat keys at the top level still read. A key in the wrong section, or the same key twice, is refused."""
+    out: dict[str, Any] = {}
+    owner = section_of(sections)
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name in sections and isinstance(value, dict):
+            for inner, item in value.items():
+                field_name = TRAIN_RENAMED.get(inner.replace("-", "_"), inner.replace("-", "_"))
+                if field_name in owner and owner[field_name] != name:
+                    raise ConfigError(f"key {inner!r} is in section [{name}]; it belongs in [{owner[field_name]}]")
+                if field_name in out:
+                    raise ConfigError(f"key {inner!r} is given twice (in [{name}] and elsewhere): keep one")
+                out[field_name] = item
+        else:
+            if name in out:
+                raise ConfigError(f"key {key!r} is given twice (at the top and in a [section]): keep one")
+            out[name] = value
+    return out
+
+
 def read_toml(text: str) -> dict[str, Any]:
     """Parse TOML text (tomllib; tomli before Python 3.11). Raises ValueError (TOMLDecodeError) on bad TOML."""
     try:
@@ -53,6 +112,12 @@ def read_toml(text: str) -> dict[str, Any]:
     except ImportError:  # pragma: no cover - Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     return tomllib.loads(text)
+
+
+def read_train_toml(text: str) -> dict[str, Any]:
+    """A train config file's values as flat field names: `[sections]` taken apart, renamed keys upgraded.
+    Raises ValueError on bad TOML, ConfigError on a key in the wrong section."""
+    return TrainConfig.upgrade(flatten_sections(read_toml(text), TRAIN_SECTIONS))
 
 
 def write_toml(values: dict[str, Any]) -> str:
@@ -201,7 +266,7 @@ class TrainConfig:
     resume: str = "auto"
     """auto (latest complete checkpoint in run_dir, else fresh), never, or a checkpoint directory."""
     bucket_mb: float = 25.0
-    """Size of one gradient bucket in MiB (25 measured best on the reference MLP; see README)."""
+    """Size of one gradient bucket in MiB (25 measured best on the reference MLP; see docs/performance.md)."""
     grad_compression: str = "none"
     """Wire format of the gradient sum (was --compress): none, fp16, bf16, powersgd[:RANK] (low rank, default 4)
     or topk[:FRACTION] (the largest entries, default 0.01); the last two with error feedback."""
@@ -303,6 +368,16 @@ class TrainConfig:
     def upgrade(values: dict[str, Any]) -> dict[str, Any]:
         """`values` (a config file's, or an old checkpoint's) with renamed keys under their new names."""
         return {TRAIN_RENAMED.get(k, k): v for k, v in values.items()}
+
+    def to_sections(self) -> dict[str, Any]:
+        """`to_dict()` grouped into the `[sections]` of TRAIN_SECTIONS (keys no field has stay at the top)."""
+        flat = self.to_dict()
+        out: dict[str, Any] = {k: v for k, v in flat.items() if k not in section_of(TRAIN_SECTIONS)}
+        for section, names in TRAIN_SECTIONS.items():
+            table = {name: flat[name] for name in names if name in flat}
+            if table:
+                out[section] = table
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (paths as strings, None dropped) for config.toml, checkpoints and summaries."""

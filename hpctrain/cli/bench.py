@@ -1,4 +1,4 @@
-"""`hpctrain bench allreduce | train`: the benchmarks behind the README's numbers."""
+"""`hpctrain bench allreduce | train`: the benchmarks behind docs/performance.md."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from .common import handle_errors, is_rank0
+from .helpformat import App
 
-app = typer.Typer(help="Measure allreduce bandwidth and training step time.", no_args_is_help=True)
+app = App(help="Measure allreduce bandwidth and training step time.", no_args_is_help=True)
 
 
 def _relaunch(n: int) -> None:

@@ -11,8 +11,9 @@ import typer
 from ..base.errors import ConfigError
 from ..tools.containers import MODES, MPI_ABIS, ContainerConfig
 from .common import handle_errors
+from .helpformat import App
 
-app = typer.Typer(
+app = App(
     help="Apptainer images with CUDA-aware Open MPI, mpi4py and torch.\n\n"
     "Example: hpctrain container recipe -o hpctrain.def && hpctrain container build hpctrain.def -o hpctrain.sif",
     no_args_is_help=True,

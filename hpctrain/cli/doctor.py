@@ -29,3 +29,20 @@ def doctor(
         print(json.dumps(report) if json_out else format_report(report), flush=True)
     if strict and not report["ok"]:
         raise typer.Exit(1)
+
+
+@handle_errors
+def info(
+    json_out: Annotated[bool, typer.Option("--json", help="Print the facts as one JSON object.")] = False,
+) -> None:
+    """Print the versions of hpctrain, Python, torch, the MPI library, mpi4py, HDF5 and h5py, and which optional
+    features this install has (tokenizers, Parquet, TensorBoard, Slurm, containers).
+
+    One process, no launcher needed; `hpctrain doctor` checks every rank of a job instead.
+
+    Example: hpctrain info
+    """
+    from ..tools.info import format_info, info as collect
+
+    facts = collect()
+    print(json.dumps(facts) if json_out else format_info(facts), flush=True)

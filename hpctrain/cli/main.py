@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
 from ..base.stop import FLAG, finishing, unblock
 from . import bench, container, doctor, generate, launch, report, shard, submit, train
+from .helpformat import App
 
-app = typer.Typer(
+app = App(
     name="hpctrain",
     help="Data-parallel PyTorch training over MPI, from a laptop to a Slurm supercomputer.\n\n"
     "Example: hpctrain shard digits data/ --shards 2 && hpctrain launch -n 2 -- train --data data/ --run-dir runs/a",
@@ -17,11 +19,28 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=True,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"hpctrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print hpctrain's version and exit.")] = False) -> None:
+    """The options of `hpctrain` itself (the app's help is above)."""
+
+
 app.command()(shard.shard)
 app.command()(shard.verify)
 app.command()(train.train)
 app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(launch.launch)
 app.command()(doctor.doctor)
+app.command()(doctor.info)
 app.command()(report.report)
 app.command()(generate.generate)
 submit.register(app)

@@ -54,10 +54,12 @@ def _cli_type(hint: Any) -> Any:
 
 def config_parameters(cls: type, *, skip: tuple[str, ...] = (), arguments: tuple[str, ...] = (),
                       required: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
-                      flags: dict[str, str] | None = None) -> list[inspect.Parameter]:
+                      flags: dict[str, str] | None = None,
+                      panels: dict[str, str] | None = None) -> list[inspect.Parameter]:
     """One Typer parameter per field of `cls` (in field order): `arguments` are positional, `required` options
     may come from a config file instead (so they default to None here), `renamed` {old: new} adds the old
-    spelling as a hidden option, `flags` {field: "--flag"} names a flag differently from its field.
+    spelling as a hidden option, `flags` {field: "--flag"} names a flag differently from its field, `panels`
+    {field: title} groups the options of `--help` (by config section).
     A field with a default_factory, or a tuple, defaults to None here: `config_values` leaves it out."""
     hints = typing.get_type_hints(cls)
     helps = field_help(cls)
@@ -67,7 +69,7 @@ def config_parameters(cls: type, *, skip: tuple[str, ...] = (), arguments: tuple
             continue
         hint, doc = _cli_type(hints[f.name]), helps.get(f.name, "")
         if f.name in arguments:
-            info: Any = typer.Argument(help=doc, show_default=False)
+            info: Any = typer.Argument(help=doc, show_default=False, rich_help_panel=(panels or {}).get(f.name))
             default: Any = inspect.Parameter.empty
         else:
             default = None if f.name in required or f.default is MISSING or isinstance(f.default, tuple) else f.default
@@ -75,9 +77,13 @@ def config_parameters(cls: type, *, skip: tuple[str, ...] = (), arguments: tuple
                 hint = Optional[hint]
             decls = [f"{flag(f.name)}/--no-{f.name.replace('_', '-')}"] if hint in (bool, Optional[bool]) else []
             decls = [(flags or {})[f.name]] if f.name in (flags or {}) else decls
-            info = typer.Option(*decls, help=doc, show_default=default is not None)
+            info = typer.Option(*decls, help=doc, show_default=default is not None,
+                                rich_help_panel=(panels or {}).get(f.name))
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                         annotation=Annotated[hint, info]))
+    if panels:  # grouped by section, the sections in their table's order (arguments stay first: they are)
+        rank = {title: i for i, title in enumerate(dict.fromkeys(panels.values()))}
+        params.sort(key=lambda p: rank.get(panels.get(p.name, ""), len(rank)))
     for old, new in (renamed or {}).items():
         old_hint = _cli_type(hints[new])
         params.append(inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, default=None,

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..base.config import SHARD_RENAMED, ShardConfig
+from ..base.config import SHARD_RENAMED, SHARD_SECTIONS, ShardConfig, section_panels
 from .common import fail, handle_errors, is_rank0
 from .options import config_parameters, take_renamed, with_signature
 
@@ -18,7 +18,7 @@ def shard(ctx: typer.Context, json_out: Annotated[bool, typer.Option("--json", h
           **values: Any) -> None:
     """Split SOURCE into per-rank HDF5 shards with a manifest.
 
-    Every option is a field of `ShardConfig` (its default and help are written there, once).
+    Writes into a hidden directory beside OUT and renames it into place, so a failure leaves nothing behind.
 
     Example: hpctrain shard digits data/ --shards 2
 
@@ -44,7 +44,8 @@ def shard(ctx: typer.Context, json_out: Annotated[bool, typer.Option("--json", h
               f"{manifest['num_classes']} classes, x {manifest['x']['dtype']} {tuple(manifest['x']['shape'])})")
 
 
-with_signature(shard, config_parameters(ShardConfig, arguments=("source", "out"), renamed=SHARD_RENAMED))
+with_signature(shard, config_parameters(ShardConfig, arguments=("source", "out"), renamed=SHARD_RENAMED,
+                                        panels=section_panels(SHARD_SECTIONS)))
 
 
 @handle_errors

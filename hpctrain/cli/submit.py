@@ -32,7 +32,7 @@ def submit(
     """Submit COMMAND as an MPI job on Slurm: one rank per GPU, requeued after preemption or timeout. With
     --sweep, one job array: an element per combination of the values, each in RUN/KEY=V[_KEY=V...].
 
-    Every option but the last three is a field of `SubmitConfig` (its default and help are written there, once).
+    `--dry-run` prints the batch script and submits nothing.
 
     Example: hpctrain submit --nodes 2 --gpus 4 --time 120 -- train --data data/ --run-dir runs/a
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..base.config import TRAIN_RENAMED, TrainConfig, read_toml
+from ..base.config import TRAIN_RENAMED, TRAIN_SECTIONS, section_panels, TrainConfig, flatten_sections, read_toml
 from ..base.errors import ConfigError
 from .common import handle_errors, is_rank0
 from .options import config_parameters, given, take_renamed, with_signature
@@ -20,14 +20,19 @@ def _load_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"--config {str(path)!r} not found")
     try:
-        data = read_toml(path.read_text())
+        raw = read_toml(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError is a ValueError
         raise ConfigError(f"--config {str(path)!r} is not valid TOML ({exc})") from exc
-    data = TrainConfig.upgrade({k.replace("-", "_"): v for k, v in data.items()})
+    data = TrainConfig.upgrade(flatten_sections(raw, TRAIN_SECTIONS))
     valid = {f.name for f in fields(TrainConfig)} - {"extra"}
     unknown = sorted(k for k in data if k not in valid)
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(unknown)} in {str(path)!r}; valid keys are the train flags: {', '.join(sorted(valid))}")
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)} in {str(path)!r}; valid keys are the train flags "
+                          f"(`hpctrain train --help`), in the sections {', '.join(f'[{s}]' for s in TRAIN_SECTIONS)}")
+    flat = sorted(k for k in raw if k.replace("-", "_") not in TRAIN_SECTIONS)
+    if flat and is_rank0():
+        print(f"note: --config {path}: {', '.join(flat)} outside a [section] still read; `hpctrain train --help` "
+              "shows each key's section", file=sys.stderr)
     return data
 
 
@@ -55,7 +60,8 @@ def train(
 ) -> None:
     """Train a model data-parallel on the ranks that started this command (one rank with no launcher).
 
-    Every option below is a field of `TrainConfig` (its default and help are written there, once).
+    The options come in sections; a --config TOML file takes the same keys under [section] headings (flags win),
+    and RUN/config.toml is written that way. A stopped run continues when the same command runs again.
 
     Example: hpctrain launch -n 2 -- train --data data/ --run-dir runs/a --epochs 20
     """
@@ -79,4 +85,5 @@ def train(
 
 
 with_signature(train, config_parameters(TrainConfig, skip=("progress", "extra"), required=("data", "run_dir"),
+                                        panels=section_panels(TRAIN_SECTIONS),
                                         renamed=TRAIN_RENAMED))

@@ -18,7 +18,7 @@ import numpy as np
 from .world import load_mpi
 
 _WIDE = {"float16": "float32", "bfloat16": "float32"}
-ALONE_BYTES = 1 << 18  # as GradSync.OWN_BYTES: measured on the reference MLP (README, the step against the limit)
+ALONE_BYTES = 1 << 18  # as GradSync.OWN_BYTES: measured on the reference MLP (docs/performance.md, the step against the honest limit)
 
 
 def torch_dtype(name: str) -> Any:

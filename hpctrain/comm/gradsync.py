@@ -5,7 +5,7 @@ neither zeroes nor accumulates into old memory, it hands over fresh tensors. A l
 `OWN_BYTES`) is a bucket alone and is reduced straight from its own memory; runs of small ones share a flat
 buffer they are copied into (their `.grad`s then become views into it), so one collective carries them.
 Measured on the reference MLP: the zeroing pass and the accumulation into persistent bucket views cost
-more than the small copies do (`hpctrain bench train`, README "The step against the limit").
+more than the small copies do (`hpctrain bench train`, docs/performance.md, "The step against the honest limit").
 A bucket's allreduce runs on a dedicated communication thread as soon as all of its gradients are ready
 (with overlap), or in `wait()`. The sum is flat, hierarchical (node, then node leaders) or in a fixed rank
 order (deterministic).

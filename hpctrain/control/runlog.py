@@ -157,7 +157,7 @@ def close_logging(log: logging.Logger) -> None:
 def write_config(cfg: TrainConfig) -> None:
     """The resolved config, as TOML beside the run: `hpctrain train --config RUN/config.toml` repeats it."""
     with _writing(cfg.run_dir / "config.toml"):
-        write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_dict()))
+        write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_sections()))
 
 
 def prepare(cfg: TrainConfig, rank: int, step: int, audit_lines: dict[str, int] | None) -> None:

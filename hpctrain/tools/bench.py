@@ -1,4 +1,4 @@
-"""`hpctrain bench`: the measurements behind the performance numbers in the README.
+"""`hpctrain bench`: the measurements behind the numbers in docs/performance.md.
 
 Every function runs on all ranks of the communicator it is given (start it with `hpctrain launch -n N --
 bench ...`, or let the CLI launch itself) and returns, on every rank, a plain dict of results.

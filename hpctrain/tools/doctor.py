@@ -25,7 +25,7 @@ def _gpus_assigned(cuda_visible_devices: str | None) -> bool:
     return cuda_visible_devices is not None and cuda_visible_devices.strip() not in _NO_GPU
 
 
-def _mpi_facts() -> dict[str, Any]:
+def mpi_facts() -> dict[str, Any]:
     """The MPI library as the comm layer sees it; rank and size are COMM_WORLD's (what the launcher wired up)."""
     from ..comm import mpi_info, world
 
@@ -45,7 +45,7 @@ def _mpi_facts() -> dict[str, Any]:
     }
 
 
-def _torch_facts(env: RankEnv) -> dict[str, Any]:
+def torch_facts(env: RankEnv) -> dict[str, Any]:
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -61,7 +61,7 @@ def _torch_facts(env: RankEnv) -> dict[str, Any]:
     }
 
 
-def _hdf5_facts() -> dict[str, Any]:
+def hdf5_facts() -> dict[str, Any]:
     from ..data.hdf5env import file_locking
 
     try:
@@ -81,14 +81,14 @@ def _hdf5_facts() -> dict[str, Any]:
 def collect(mpi_started: bool = True, env: RankEnv | None = None) -> dict[str, Any]:
     """This rank's facts (`mpi_started` False: MPI could not start, so it is not asked)."""
     env = read_env() if env is None else env
-    torch_facts = _torch_facts(env)
-    visible = torch_facts.get("gpus", 0)
+    torch = torch_facts(env)
+    visible = torch.get("gpus", 0)
     device, device_error = None, None
     try:
         device = select_device(env, visible)
     except HpctrainError as exc:
         device_error = str(exc)
-    mpi = _mpi_facts() if mpi_started else {"error": "MPI did not start"}
+    mpi = mpi_facts() if mpi_started else {"error": "MPI did not start"}
     return {
         "rank": mpi.get("rank", env.rank or 0),
         "host": socket.gethostname(),
@@ -102,8 +102,8 @@ def collect(mpi_started: bool = True, env: RankEnv | None = None) -> dict[str, A
         },
         "gpus": {"cuda_visible_devices": env.cuda_visible_devices, "visible": visible, "device": device,
                  "device_error": device_error},
-        "hdf5": _hdf5_facts(),
-        "torch": torch_facts,
+        "hdf5": hdf5_facts(),
+        "torch": torch,
     }
 
 
@@ -122,7 +122,7 @@ def problems(facts: dict[str, Any]) -> list[dict[str, str]]:
             "install an MPI and an mpi4py built against it (Debian: apt-get install openmpi-bin libopenmpi-dev; "
             "pip install --no-binary mpi4py mpi4py), or run in the hpctrain image (hpctrain container recipe)"))
     else:
-        library = _short_library(mpi["library"])
+        library = short_library(mpi["library"])
         if mpi["thread_level"] != "multiple":
             problems.append(_problem(
                 "thread-level", f"{library} provides MPI_THREAD_{mpi['thread_level'].upper()}, but hpctrain "
@@ -183,7 +183,7 @@ def problems(facts: dict[str, Any]) -> list[dict[str, str]]:
     return problems
 
 
-def _short_library(library: str) -> str:
+def short_library(library: str) -> str:
     """'Open MPI v4.1.4, package: ...' -> 'Open MPI v4.1.4'; 'MPICH Version: 4.3.2 ...' -> 'MPICH 4.3.2'."""
     first = library.split(",")[0].strip()
     if first.startswith("MPICH Version:"):
@@ -231,7 +231,7 @@ def format_report(report: dict[str, Any]) -> str:
     if "error" in mpi:
         row("MPI", f"not usable: {mpi['error']}")
     else:
-        library = _short_library(mpi["library"])
+        library = short_library(mpi["library"])
         row("MPI", f"{library} (MPI {mpi['mpi_version']}), mpi4py {mpi['mpi4py']}, thread level "
                    f"{mpi['thread_level']}, world of {mpi['world_size']}")
         aware = mpi["cuda_aware"]

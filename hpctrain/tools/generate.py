@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..base.config import read_toml
+from ..base.config import read_train_toml
 from ..base.durable import sha256_file
 from ..base.errors import CheckpointError, ConfigError, DataError
 from ..data.shardformat import inside, load_manifest
@@ -41,8 +41,8 @@ def read_run(run_dir: Path) -> tuple[str, Path]:
     if not path.is_file():
         raise ConfigError(f"{str(path)!r} not found: is {str(run_dir)!r} a run directory written by `hpctrain train`?")
     try:
-        config = read_toml(path.read_text())
-    except (OSError, ValueError) as exc:
+        config = read_train_toml(path.read_text())
+    except (OSError, ValueError, ConfigError) as exc:
         raise ConfigError(f"{str(path)!r} is not valid TOML ({exc}); it is written by `hpctrain train`") from exc
     if not isinstance(config.get("model"), str) or not isinstance(config.get("data"), str):
         raise ConfigError(f"{str(path)!r} has no `model` or no `data`; it is written by `hpctrain train`")

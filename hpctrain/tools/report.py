@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..base.config import TrainConfig, read_toml
+from ..base.config import read_train_toml
 from ..base.durable import replacing, write_text
 from ..base.errors import ConfigError, DataError
 
@@ -121,7 +121,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
 
 def _read_config(path: Path) -> dict[str, Any] | None:
     try:
-        return TrainConfig.upgrade(read_toml(path.read_text()))  # a run written before a rename reads the same
+        return read_train_toml(path.read_text())  # flat keys; a run written before a rename or the sections reads the same
     except (OSError, ValueError):  # TOMLDecodeError is a ValueError
         return None  # the config is context for the reader, not needed for the numbers
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import hpctrain, mpi_env, summary
-from hpctrain.base.config import read_toml
+from hpctrain.base.config import read_train_toml
 from hpctrain.tools.slurm.core import read_record
 from hpctrain.tools.slurm.status import job_status
 
@@ -50,7 +50,7 @@ def test_a_2x2_sweep_completes_with_every_summary_and_the_report(slurm_cluster, 
     assert [e["job_id"] for e in info["elements"]] == [f"{job}_{task}" for task in range(4)]
     assert [e["state"] for e in info["elements"]] == ["completed"] * 4
     for name in names:  # each element trained its own combination, to the end
-        got, config = summary(run / name), read_toml((run / name / "config.toml").read_text())
+        got, config = summary(run / name), read_train_toml((run / name / "config.toml").read_text())
         assert got["steps"] == 30 and got["world_size"] == 1, got
         assert f"lr={config['lr']:g}_batch-size={config['batch_size']}" == name
     report = run / "report"

@@ -50,13 +50,15 @@ def test_same_plan_or_constant_schedule_resumes_silently(data: Path, tmp_path: P
 
 
 def test_config_toml_beside_the_run_rebuilds_the_same_config(data: Path, tmp_path: Path) -> None:
-    """config.toml is written by tomli-w and read by tomllib: every value round-trips, so
+    """config.toml is written by tomli-w, in [sections], and read by tomllib: every value round-trips, so
     `hpctrain train --config RUN/config.toml` repeats the run."""
-    from hpctrain.base.config import read_toml
+    from hpctrain.base.config import read_toml, read_train_toml
 
     run = tmp_path / "r"
     cfg = TrainConfig(data=data, run_dir=run, schedule="cosine", max_steps=3, batch_size=10, lr=0.125,
                       model="mlp:16,8:dropout=0.1", checkpoint_every="auto", progress=False, json=True)
     train(cfg, comm=Comm(None))
-    again = TrainConfig(**read_toml((run / "config.toml").read_text()))
+    text = (run / "config.toml").read_text()
+    assert {"run", "data", "optimizer", "checkpoint"} <= set(read_toml(text))
+    again = TrainConfig(**read_train_toml(text))
     assert again.to_dict() == cfg.to_dict()
