@@ -18,6 +18,7 @@ class HpctrainError(Exception):
 
     exit_code = 1
     agreed = False
+    label = "error: "  # how the CLI starts its one line (a stop is not an error: it says "stopped ...")
 
 
 class ConfigError(HpctrainError):

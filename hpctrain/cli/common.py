@@ -19,10 +19,10 @@ def is_rank0() -> bool:
     return rank is None or rank == 0
 
 
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print `error: message` once (on rank 0 under MPI) and return the Exit to raise."""
+def fail(message: str, code: int = 2, label: str = "error: ") -> typer.Exit:
+    """Print `error: message` (or `label` + message) once (on rank 0 under MPI) and return the Exit to raise."""
     if is_rank0():
-        print(f"error: {message}", file=sys.stderr)
+        print(f"{label}{message}", file=sys.stderr)
     return typer.Exit(code)
 
 
@@ -34,7 +34,7 @@ def handle_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except HpctrainError as exc:
-            raise fail(str(exc).replace("\n", " "), exc.exit_code) from None
+            raise fail(str(exc).replace("\n", " "), exc.exit_code, exc.label) from None
         except KeyboardInterrupt:
             raise fail("interrupted", 130) from None
 

@@ -19,6 +19,13 @@ def launch(
 
     Example: hpctrain launch -n 2 -- train --data data/ --run-dir runs/a
     """
-    from ..tools.launch import launch as run
+    from ..tools.launch import launch as run, precheck_train
 
+    if command[:1] == ["train"]:  # what needs no MPI is checked here, once, before mpirun starts N ranks
+        from .train import config_from_args
+
+        cfg = config_from_args(command[1:])
+        if cfg is None:  # --help, printed once
+            return
+        precheck_train(cfg.data, cfg.init_weights, n)
     raise typer.Exit(run(n, command, grace=grace))

@@ -52,6 +52,31 @@ def build_config(ctx: typer.Context, values: dict[str, Any], config: Path | None
         raise ConfigError(f"bad value in --config: {exc}") from exc
 
 
+def config_from_args(args: list[str]) -> TrainConfig | None:
+    """`hpctrain train ARGS` parsed and checked as the ranks would, in this process and with no MPI: the
+    config, or None when ARGS ask for --help (printed here). A usage error (an unknown flag, a bad value)
+    raises ConfigError with its one line, so a launcher prints it once instead of once per rank."""
+    import typer.main
+
+    from .helpformat import App
+
+    solo = App()
+    solo.command()(train)
+    command = typer.main.get_command(solo)  # an app of one command is that command
+    try:
+        ctx = command.make_context("hpctrain train", list(args))
+    except Exception as exc:  # click's UsageError and Exit, whichever click Typer ships (duck-typed)
+        if getattr(exc, "exit_code", None) == 0:
+            return None
+        if callable(getattr(exc, "format_message", None)):
+            raise ConfigError(f"{exc.format_message()} (see `hpctrain train --help`)") from None
+        raise
+    values = dict(ctx.params)
+    config = values.pop("config", None)
+    take_renamed(ctx, values, TRAIN_RENAMED)
+    return build_config(ctx, values, config)
+
+
 @handle_errors
 def train(
     ctx: typer.Context,

@@ -163,6 +163,10 @@ def build_lm(spec: str, seq_len: int, vocab_size: int) -> nn.Module:
     spec. A factory is called as `factory(seq_len, vocab_size)` and must return an nn.Module."""
     if spec == "gpt" or spec.startswith("gpt:"):
         return GPT(vocab_size, seq_len, **parse_gpt_spec(spec))
+    if spec.split(":")[0] in ("mlp", "cnn"):
+        raise ConfigError(f"--model {spec} is a classifier, and this data is token shards (a language model's): "
+                          "token shards need `--model gpt` (or gpt:layers=L,dim=D,heads=H) or a factory "
+                          "module.path:factory / path/to/file.py:factory")
     if ":" not in spec:
         raise ConfigError(f"unknown language model {spec!r}: use one of {', '.join(LM_SPECS)}")
     model = load_factory(spec, known="gpt, gpt:layers=L,dim=D,heads=H,dropout=P",

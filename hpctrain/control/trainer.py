@@ -51,6 +51,7 @@ class StopRequested(HpctrainError):
 
     exit_code = STOP_EXIT
     agreed = True
+    label = ""
 
 
 def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = None) -> dict[str, Any]:
@@ -448,8 +449,8 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     if out.stop_signal is not None:
         name = signal.Signals(out.stop_signal).name
         run.log.warning("stopped by %s at step %d; checkpoint written", name, step)
-        raise StopRequested(f"stopped by {name} at step {step}; checkpoint written to "
-                            f"{cfg.run_dir / 'checkpoints' / ckpt.step_dir_name(step)}; continue with --resume auto")
+        raise StopRequested(f"stopped by {name} at step {step}: checkpoint written to "
+                            f"{cfg.run_dir / 'checkpoints' / ckpt.step_dir_name(step)}; run the same command to continue")
     if STOP.requested:  # came after the last step's boundary: nothing left to stop, the run is complete
         run.log.warning("%s arrived after the last step; the run completed", signal.Signals(STOP.signum).name)
     train_time = time.perf_counter() - out.started

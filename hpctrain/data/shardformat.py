@@ -113,8 +113,9 @@ class ShardSet:
         if self.num_shards % world:
             divisors = [w for w in range(1, self.num_shards + 1) if self.num_shards % w == 0]
             raise ConfigError(
-                f"the data in {self.root} has {self.num_shards} shards, which {world} ranks cannot share evenly: "
-                f"run on {', '.join(map(str, divisors))} ranks, or reshard with "
+                f"--data {str(self.root)!r} holds {self.num_shards} shards per split, and {world} ranks cannot "
+                f"share them evenly (rank r reads shards r, r+{world}, ...): run on {', '.join(map(str, divisors))} "
+                f"ranks, or reshard with "
                 f"`hpctrain shard SOURCE OUT --shards {world * max(1, self.num_shards // world + 1)}`"
             )
 

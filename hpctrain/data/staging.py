@@ -200,7 +200,7 @@ def _size(n: int) -> str:
 def _stopped_text(where: Path) -> str:
     name = signal.Signals(FLAG.signum).name if FLAG.signum else "a stop request"
     return (f"stopped by {name} while staging the shards (at {str(where)!r}): no step was trained, nothing new to "
-            "checkpoint; the copies are removed; continue with --resume auto")
+            "checkpoint; the copies are removed; run the same command to continue")
 
 
 def stage_files(plan: StagePlan, stopped: Callable[[], bool] | None = None) -> tuple[int, int]:

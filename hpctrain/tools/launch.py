@@ -62,6 +62,16 @@ def build_command(n: int, command: Sequence[str], *, mpirun: str, cpus: int, is_
     return argv, env
 
 
+def precheck_train(data: Any, init_weights: Any, n: int) -> None:
+    """What `train` on `n` ranks would refuse at start-up and needs no MPI, checked once before mpirun starts
+    them: the data is there and its shards divide among the ranks, the --init-weights file exists."""
+    from ..data.shardformat import load_manifest
+
+    load_manifest(data).check_world(n)
+    if init_weights is not None and not os.path.isfile(init_weights):
+        raise ConfigError(f"--init-weights {str(init_weights)!r} not found")
+
+
 def find_mpirun() -> str:
     for name in ("mpirun", "mpiexec"):
         path = shutil.which(name)
@@ -96,6 +106,9 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
         nonlocal stops, deadline, to_forward
         stops += 1
         if stops == 1:
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            print(f"hpctrain launch: {what}: every rank writes a checkpoint at its next step and stops (within "
+                  f"{grace:g} s; {what} again ends the job now)", file=sys.stderr, flush=True)
             to_forward = True
             deadline = time.monotonic() + grace
             if proc is not None and catches(proc.pid, signal.SIGUSR2):  # at once: the ranks stop at the next step
@@ -158,7 +171,8 @@ _AFTERMATH = (b"MPI_ABORT was invoked", b"Primary job  terminated normally, but"
               b"mpirun detected that one or more processes exited with non-zero status")
 _AFTERMATH_LINE = re.compile(rb"^\[[^\]\s]+:\d+\] (.*ORTE_ERROR_LOG|\d+ more process(es)? ha(s|ve) sent help message|"
                              rb"Set MCA parameter \"orte_base_help_aggregate\")")
-_RANK_SAID = re.compile(rb"^error: ")
+_RANK_SAID = re.compile(rb"^(error: |stopped (by|at|during) )")  # a rank's one line: a failure or a stop
+_FORWARDING = re.compile(rb"^mpirun: Forwarding signal \d+ to job")  # the launcher said so itself
 
 
 class MpirunFilter:
@@ -202,6 +216,8 @@ class MpirunFilter:
             self.block = [line]
         elif _AFTERMATH_LINE.match(line):
             self.held.append(line)
+        elif _FORWARDING.match(line):
+            pass
         else:
             self.out(line)
 

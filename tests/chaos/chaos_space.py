@@ -282,10 +282,10 @@ REFUSALS: dict[str, Refusal] = {
     "cnn on flat features": Refusal("start-up", "model 'cnn' needs images", _set(model="cnn", init_weights=None), "flat"),
     "gpt on classifier data": Refusal("start-up", "unknown model 'gpt", _set(model=GPTS[0], init_weights=None),
                                       "classifier"),
-    "mlp on token data": Refusal("start-up", "unknown language model 'mlp'", _set(model="mlp", init_weights=None), "lm"),
+    "mlp on token data": Refusal("start-up", "token shards need `--model gpt`", _set(model="mlp", init_weights=None), "lm"),
     "gpt heads": Refusal("start-up", "is not divisible by heads",
                          _set(model="gpt:layers=1,dim=30,heads=4", init_weights=None), "lm"),
-    "shards W does not divide": Refusal("start-up", "ranks cannot share evenly", lambda d: None, "indivisible"),
+    "shards W does not divide": Refusal("start-up", "ranks cannot share them evenly", lambda d: None, "indivisible"),
 }
 
 

@@ -102,7 +102,7 @@ def test_world_size_that_does_not_divide_shards_is_refused(digits2: Path, tmp_pa
     run = tmp_path / "r"
     proc = mpirun(3, ["train", "--data", str(digits2), "--run-dir", str(run)], check=False)
     assert proc.returncode == 2
-    assert proc.stderr.count("cannot share evenly") == 1  # one line, from rank 0 only
+    assert proc.stderr.count("cannot share them evenly") == 1  # one line, from rank 0 only
     assert "Traceback" not in proc.stderr
     assert not run.exists()
 

@@ -136,3 +136,28 @@ def test_block_prefix_blocks_the_stop_signals_across_exec() -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--epochz", "3"], "error: No such option: --epochz (Possible options: --epochs)"),
+    (["--lr", "-1"], "error: --lr -1.0 must be a positive number"),
+    (["--data", "nowhere"], "error: --data 'nowhere' does not exist"),
+])
+def test_launch_checks_train_s_arguments_once_before_mpirun_starts(data: Path, tmp_path: Path, args: list[str],
+                                                                 needle: str) -> None:
+    """Before: a usage box per rank, then a dozen lines of mpirun's; the shard count was checked only after
+    every rank had started. Now the launcher parses and checks them itself: one line, no mpirun."""
+    argv = ["launch", "-n", "3", "--", "train", "--data", str(data), "--run-dir", str(tmp_path / "r"), *args]
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+    assert needle in proc.stderr and not (tmp_path / "r").exists()
+
+
+def test_launch_refuses_a_world_its_shards_cannot_divide_before_starting_it(data: Path, tmp_path: Path) -> None:
+    argv = ["launch", "-n", "3", "--", "train", "--data", str(data), "--run-dir", str(tmp_path / "r")]
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "holds 2 shards per split, and 3 ranks cannot share them evenly" in proc.stderr
+    help_text = subprocess.run([sys.executable, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--help"],
+                               capture_output=True, text=True, timeout=60).stdout
+    assert help_text.count("Usage: hpctrain train") == 1

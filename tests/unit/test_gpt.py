@@ -133,8 +133,15 @@ def test_gpt_spec_errors_quote_the_spec_and_give_an_example(spec: str, message: 
 
 
 def test_unknown_lm_spec() -> None:
-    with pytest.raises(ConfigError, match=r"unknown language model 'mlp': use one of gpt, "):
-        build_lm("mlp", 16, 257)
+    with pytest.raises(ConfigError, match=r"unknown language model 'transformer': use one of gpt, "):
+        build_lm("transformer", 16, 257)
+
+
+@pytest.mark.parametrize("spec", ["mlp", "mlp:64,32", "cnn:dropout=0.1"])
+def test_a_classifier_on_token_shards_says_what_token_shards_need(spec: str) -> None:
+    """Before: `unknown language model 'mlp'`, a value the user never typed (the default --model)."""
+    with pytest.raises(ConfigError, match=rf"--model {spec} is a classifier.*token shards need `--model gpt`"):
+        build_lm(spec, 16, 257)
 
 
 def test_factory_from_a_file(tmp_path: Path) -> None:

@@ -87,7 +87,7 @@ def test_resume_mid_epoch_replays_the_rest(bigger: Path, shuffle: bool) -> None:
 
 
 def test_world_must_divide_shards(uneven: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot share evenly"):
+    with pytest.raises(ConfigError, match="ranks cannot share them evenly"):
         ShardReader(load_manifest(uneven), "train", rank=0, world=3, batch_size=4)
 
 
