@@ -103,6 +103,9 @@ def train(
         else:
             keys = ("world_size", "epochs", "steps", "global_batch_size", "train_loss", "val_loss", "val_accuracy",
                     "samples_per_s", "ranks_in_sync", "param_sha256")
+            if "tokens_per_s" in summary:  # a language model: its own figures where a classifier has accuracy
+                keys = ("world_size", "epochs", "steps", "global_batch_size", "seq_len", "train_loss", "val_loss",
+                        "val_bits_per_byte", "val_perplexity", "tokens_per_s", "mfu", "ranks_in_sync", "param_sha256")
             for key in keys:
                 value = summary.get(key)
                 print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else f"{key:>18}: {value}")

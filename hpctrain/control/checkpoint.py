@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -223,8 +224,26 @@ class CheckpointManager:
         The cost is the measured stall plus the CPU time of the background write (what it takes from
         training when no core is idle); before any save is measured, one second is assumed.
         """
-        cost = (self.stall_seconds + self.write_cpu_seconds) / self.saves if self.saves else 1.0
-        return math.sqrt(2.0 * max(cost, 1e-3) * self.mtbf_s)
+        return math.sqrt(2.0 * max(self.save_cost(), 1e-3) * self.mtbf_s)
+
+    def save_cost(self) -> float:
+        """What one save costs training, measured: its stall plus its write's CPU time (1 s before any)."""
+        return (self.stall_seconds + self.write_cpu_seconds) / self.saves if self.saves else 1.0
+
+    def summary(self, auto: bool, run_s: float) -> dict[str, Any]:
+        """summary.json's `checkpoint` entry; with `auto`, the interval and, in words, what it means here."""
+        out: dict[str, Any] = {
+            "saves": self.saves, "stall_s": self.stall_seconds, "write_s": self.write_seconds,
+            "write_cpu_s": self.write_cpu_seconds,
+            "async_stall_median_s": statistics.median(self.async_stalls) if self.async_stalls else None,
+            "interval_s": self.interval_seconds() if auto else None}
+        if auto:
+            interval, cost = out["interval_s"], self.save_cost()
+            what = (f"longer than this run's {run_s:.1f} s of training, so only the last step's checkpoint was "
+                    "written" if interval > run_s else "checkpoints came that often, and one at the last step")
+            out["interval_note"] = (f"--checkpoint-every auto: every {interval:.0f} s, the Young/Daly interval "
+                                    f"sqrt(2 x {cost:.3f} s per save x --mtbf-hours {self.mtbf_s / 3600:g}); {what}")
+        return out
 
     def due(self, step: int) -> bool:
         """Whether a periodic checkpoint is due at `step`; with `auto`, only rank 0's answer counts (the

@@ -82,6 +82,13 @@ def restore(run: Any) -> dict[str, int]:
         changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
                        f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
                        "on, the learning rate follows the new plan")
+    if comm.rank == 0:  # the console's first word on a resume: from where, and whether anything is left
+        grown = f"; the run now ends at step {run.total_steps} (it was planned to {planned})" if (
+            planned is not None and int(planned) != run.total_steps) else ""
+        print(f"resumed from step {start.step} ({start.path}){grown}", file=sys.stderr, flush=True)
+        if start.step >= run.total_steps:
+            print(f"nothing left to do: step {start.step} is this run's last (of {run.total_steps}); raise "
+                  "--epochs or --max-steps to train on", file=sys.stderr, flush=True)
     for change in changes:
         run.log.warning("config changed since the checkpoint: %s", change)
         if comm.rank == 0:

@@ -217,7 +217,7 @@ class RunLog:
             np.savetxt(self.audit, np.column_stack([np.full(n, epoch), index]), fmt="%d")
             self.audit_lines += n
         self.window.add(loss, n, step_s, comm_s, data_s)
-        self.bar.update(1, loss=f"{loss / max(1, n * self.targets):.4f}", epoch=epoch)
+        self.bar.update(1, loss=f"{loss / max(1, n * self.targets):.4f}", epoch=epoch + 1)
 
     def due(self, step: int, end_of_epoch: bool, last: bool) -> bool:
         return step % self.cfg.log_every == 0 or end_of_epoch or last
@@ -254,9 +254,7 @@ class RunLog:
                 if key not in ("step", "epoch"):
                     self.tb.add_scalar(key, value, step)
         if self.rank == 0 and not self.interactive and not self.cfg.json:  # Slurm logs: a plain line per --log-every
-            shown = "".join(f"  {k} {extra[k]:.4f}" for k in ("val_loss", "val_accuracy") if k in extra)
-            print(f"epoch {epoch} step {step}/{self.total_steps}  loss {record['loss']:.4f}{shown}  "
-                  f"{record['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
+            print(console_line(record, epoch, step, self.total_steps), file=sys.stderr, flush=True)
         self.window = _Window()
 
     def last_epoch_loss(self, comm: Any) -> float | None:
@@ -266,6 +264,16 @@ class RunLog:
             for line in (self.cfg.run_dir / "metrics.jsonl").read_text().splitlines():
                 value = json.loads(line).get("epoch_train_loss", value)
         return comm.bcast(value)
+
+
+def console_line(record: dict[str, Any], epoch: int, step: int, total_steps: int) -> str:
+    """One logged window for a person: the epoch counted from 1, as `--epochs` counts; a language model's
+    tokens/s, bits per byte and perplexity where a classifier shows samples/s and accuracy."""
+    lm = "tokens_per_s" in record
+    keys = ("val_loss", "val_bits_per_byte", "val_perplexity") if lm else ("val_loss", "val_accuracy")
+    shown = "".join(f"  {k} {record[k]:.4f}" for k in keys if record.get(k) is not None)
+    rate = f"{record['tokens_per_s']:.0f} tokens/s" if lm else f"{record['samples_per_s']:.0f} samples/s"
+    return f"epoch {epoch + 1} step {step}/{total_steps}  loss {record['loss']:.4f}{shown}  {rate}"
 
 
 class _Window:

@@ -18,7 +18,6 @@ import math
 import os
 import signal
 import socket
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -479,10 +478,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "zero": cfg.zero, "zero_reduce": getattr(run.sync, "reduce", None),
         "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
         "torch_threads": torch.get_num_threads(), **run.rates.summary(samples_per_s or 0.0, out.last_val),
-        "checkpoint": {"saves": m.saves, "stall_s": m.stall_seconds, "write_s": m.write_seconds,
-                       "write_cpu_s": m.write_cpu_seconds,
-                       "async_stall_median_s": statistics.median(m.async_stalls) if m.async_stalls else None,
-                       "interval_s": m.interval_seconds() if cfg.checkpoint_every == "auto" else None},
+        "checkpoint": m.summary(cfg.checkpoint_every == "auto", train_time),
     }
     if comm.rank == 0:
         path = cfg.run_dir / "model.pt"

@@ -348,6 +348,12 @@ def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
         lines += ["**Status: finished** (summary.json).", "", "| | |", "|---|---|"]
         lines += [f"| {k} | {_fmt(summary[k])} |" for k in keys if k in summary]
         lines.append("")
+        speeds = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
+        if speeds and summary.get("samples_per_s"):  # two figures of one run that differ: say why
+            lines += [f"samples_per_s ({summary['samples_per_s']:,.0f}) is the whole run's: every sample trained "
+                      "over the training time (validation and checkpoint stalls left out, `paused_s`), slow windows "
+                      f"included; the throughput plot's median ({statistics.median(speeds):,.0f}) is that of a "
+                      "typical logged window.", ""]
     if config:
         picked = ["model", "optimizer", "lr", "batch_size", "schedule", "epochs", "grad_compression"]
         shown = ", ".join(f"{k} {config[k]}" for k in picked if k in config)

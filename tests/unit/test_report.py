@@ -71,6 +71,11 @@ def test_report_of_a_finished_run(finished: Path, tmp_path: Path) -> None:
     assert "finished" in md and "in progress" not in md
     assert f"| val_accuracy | {summary['val_accuracy']:.4f} |" in md
     assert f"| world_size | {summary['world_size']} |" in md
+    # the two throughput figures of one run, told apart (before: a median beside samples_per_s, unexplained)
+    assert f"samples_per_s ({summary['samples_per_s']:,.0f}) is the whole run's" in md
+    assert "the throughput plot's median (" in md
+    note = summary["checkpoint"]["interval_note"]  # and the Young/Daly interval in words
+    assert note.startswith("--checkpoint-every auto: every ") and "--mtbf-hours 24" in note
     for name in PLOTS.values():
         assert f"]({name})" in md
     epoch_rows = [line for line in md.splitlines() if line.startswith("| 2 | ")]

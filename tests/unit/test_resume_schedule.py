@@ -62,3 +62,30 @@ def test_config_toml_beside_the_run_rebuilds_the_same_config(data: Path, tmp_pat
     assert {"run", "data", "optimizer", "checkpoint"} <= set(read_toml(text))
     again = TrainConfig(**read_train_toml(text))
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_a_resume_says_so_first_and_a_finished_run_says_nothing_is_left(data: Path, tmp_path: Path, capsys) -> None:
+    """Before: a resumed run never said on the console that it resumed, nor from which step, nor that the run
+    was already complete (the same summary printed again, as if it had trained)."""
+    run = tmp_path / "r"
+    _run(data, run, "constant", 10)
+    assert "resumed" not in capsys.readouterr().err
+    _run(data, run, "constant", 10)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"resumed from step 10 ({run / 'checkpoints' / 'step-0000010'})", err
+    assert err[1].startswith("nothing left to do: step 10 is this run's last (of 10); raise --epochs or --max-steps")
+    _run(data, run, "constant", 15)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("; the run now ends at step 15 (it was planned to 10)") and "nothing left" not in err[1:]
+
+
+def test_the_console_line_counts_epochs_from_1_and_shows_a_language_model_s_figures() -> None:
+    from hpctrain.control.runlog import console_line
+
+    record = {"loss": 0.5, "samples_per_s": 1000.0, "val_loss": 0.25, "val_accuracy": 0.9}
+    assert console_line(record, 19, 400, 400) == "epoch 20 step 400/400  loss 0.5000  val_loss 0.2500  " \
+                                                 "val_accuracy 0.9000  1000 samples/s"
+    lm = {"loss": 2.0, "samples_per_s": 10.0, "tokens_per_s": 640.0, "mfu": 0.01, "val_loss": 1.5,
+          "val_accuracy": 0.4, "val_bits_per_byte": 2.16, "val_perplexity": 4.48}
+    assert console_line(lm, 0, 10, 20) == "epoch 1 step 10/20  loss 2.0000  val_loss 1.5000  " \
+                                          "val_bits_per_byte 2.1600  val_perplexity 4.4800  640 tokens/s"

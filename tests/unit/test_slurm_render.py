@@ -53,9 +53,9 @@ CASES: dict[str, tuple[dict, list[str], list[str]]] = {
         TRAIN,
     ),
     "container-mpirun": (
-        dict(nodes=4, gpus=8, container=Path("/scratch/images/hpctrain.sif"), mpi="mpirun", time=1440,
+        dict(nodes=4, gpus=8, partition="gpu", container=Path("/scratch/images/hpctrain.sif"), mpi="mpirun", time=1440,
              max_requeues=20),
-        ["--nodes", "4", "--gpus", "8", "--container", "/scratch/images/hpctrain.sif", "--mpi", "mpirun",
+        ["--nodes", "4", "--gpus", "8", "--partition", "gpu", "--container", "/scratch/images/hpctrain.sif", "--mpi", "mpirun",
          "--time", "1440", "--max-requeues", "20"],
         TRAIN,
     ),
@@ -306,6 +306,21 @@ def test_status_of_a_job_nobody_knows_is_bad_input(tmp_path: Path) -> None:
 ])
 def test_cpus_per_task_auto_shares_the_node(kwargs: dict, want: int) -> None:
     assert resolve_cpus(SubmitConfig(**kwargs), SINFO).cpus_per_task == want
+
+
+def test_gpus_the_partition_does_not_have_are_refused_before_submitting(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `submit --dry-run --gpus 4` on a partition without GPUs said nothing (it read the CPUs from sinfo
+    already), and the job would have waited in the queue forever."""
+    with pytest.raises(ConfigError, match=r"--gpus 16: the nodes of partition 'gpu' have at most 8 GPUs per node"):
+        resolve_cpus(SubmitConfig(gpus=16, partition="gpu"), SINFO)
+    with pytest.raises(ConfigError, match=r"--gpus 2: the nodes of the default partition have no GPUs"):
+        resolve_cpus(SubmitConfig(gpus=2), SINFO)
+    assert resolve_cpus(SubmitConfig(gpus=8, partition="gpu"), SINFO).cpus_per_task == 8
+    fake_sinfo(tmp_path, monkeypatch, SINFO)  # a number of CPUs needs no sinfo, but where it answers, it is asked
+    result = runner.invoke(make_app(), ["submit", "--dry-run", "--gpus", "4", "--cpus-per-task", "4", "--", *TRAIN])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("error: --gpus 4: the nodes of the default partition have no GPUs"), result.output
 
 
 def test_gpu_count_reads_sinfo_s_gres_column() -> None:

@@ -50,6 +50,19 @@ def node_shapes(table: str, partition: str | None) -> list[tuple[int, int]]:
     return default or [(c, g) for _, c, g in rows]
 
 
+def check_gpus(cfg: SubmitConfig, shapes: list[tuple[int, int]]) -> None:
+    """Refuse `--gpus G` when no node of the partition has G GPUs (sinfo's GRES), before anything is submitted:
+    Slurm would otherwise hold the job pending forever, or `--dry-run` show a script that cannot run."""
+    if not cfg.gpus or not shapes:
+        return
+    most = max(gpus for _, gpus in shapes)
+    if most < cfg.gpus:
+        where = f"partition {cfg.partition!r}" if cfg.partition else "the default partition"
+        have = f"at most {most} GPUs per node" if most else "no GPUs"
+        raise ConfigError(f"--gpus {cfg.gpus}: the nodes of {where} have {have} (sinfo's GRES column): ask for "
+                          f"{'at most ' + str(most) if most else 'none'}, or choose a --partition with GPU nodes")
+
+
 def resolve_cpus(cfg: SubmitConfig, table: str) -> SubmitConfig:
     """CFG with `--cpus-per-task auto` replaced by the CPUs each rank gets on the partition's nodes, as sinfo's
     output TABLE describes them (pure; CFG itself when it has a number already)."""
@@ -60,6 +73,7 @@ def resolve_cpus(cfg: SubmitConfig, table: str) -> SubmitConfig:
         where = f"partition {cfg.partition!r}" if cfg.partition else "the default partition"
         raise ConfigError(f"--cpus-per-task auto: sinfo lists no nodes of {where} (see `sinfo -s`): check "
                           f"--partition, or {_FIX}")
+    check_gpus(cfg, shapes)
     tasks = int(cfg.tasks_per_node or 1)
     cpus = min(node_cpus // max(tasks, node_gpus if cfg.gpus else 1) for node_cpus, node_gpus in shapes)
     return dataclasses.replace(cfg, cpus_per_task=max(1, cpus))
@@ -68,9 +82,16 @@ def resolve_cpus(cfg: SubmitConfig, table: str) -> SubmitConfig:
 def with_cpus(cfg: SubmitConfig) -> SubmitConfig:
     """CFG with `--cpus-per-task auto` resolved from the partition's nodes (asks `sinfo`); raises ConfigError,
     saying to pass a number, where sinfo cannot answer (no Slurm on this host, the controller down)."""
-    if cfg.cpus_per_task != "auto":
-        return cfg
     argv = sinfo_argv(cfg.partition)
+    if cfg.cpus_per_task != "auto":  # a number needs no sinfo; where sinfo answers, the GPUs are checked
+        if cfg.gpus:
+            try:
+                proc = run_slurm(argv, timeout=30)
+            except SubmissionError:
+                return cfg
+            if proc.returncode == 0:
+                check_gpus(cfg, node_shapes(proc.stdout, cfg.partition))
+        return cfg
     try:
         proc = run_slurm(argv, timeout=30)
     except SubmissionError:

@@ -41,6 +41,7 @@ def test_only(script: str) -> str | None:
         return text
     if re.search(r"not (supported|allowed|permitted)|disabled", text, re.I):
         return None
+    text = re.sub(r"(?i)\bsbatch: error: ", "", text)  # one line in hpctrain's style, not sbatch's prefixes
     raise SubmissionError(f"Slurm refuses this job: {text.replace(chr(10), ' ')} (check --nodes, --gpus, "
                           "--tasks-per-node, --partition and --time against `sinfo`)")
 
