@@ -33,7 +33,10 @@ loader = hpctrain.ShardLoader(args.data, batch_size=args.batch_size * args.accum
 opt = hpctrain.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3), model, loader=loader)
 loss_fn = nn.CrossEntropyLoss()
 ck = hpctrain.Checkpointer(args.run_dir, every=50)
-step = ck.restore(model, opt, loader)
+step = ck.restore(model, opt, loader)  # says "resumed from step N (...)" when there was a checkpoint
+if loader.epoch >= args.epochs and ctx.rank == 0:
+    print(f"nothing left to do: the run in {args.run_dir} already trained its {args.epochs} epochs "
+          f"(step {step}); raise --epochs to train on", flush=True)
 first_loss = None
 stopped = False
 while loader.epoch < args.epochs and not stopped:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -371,7 +372,7 @@ class Checkpointer:
 
     def restore(self, model: Any, optimizer: Any, loader: ShardLoader | None = None, *, scheduler: Any = None) -> int:
         """Load the newest complete checkpoint of run_dir into model, optimizer (and loader, scheduler);
-        return its step."""
+        return its step (0 when there is none). Rank 0 says on stderr that it resumed, and from where."""
         ctx = init()
         path = ckpt.latest(self.run_dir) if ctx.rank == 0 else None
         path = ctx.comm.bcast(str(path) if path else None)
@@ -399,6 +400,8 @@ class Checkpointer:
             if loader is not None and mine["loader"] is not None:
                 loader.load_state_dict(mine["loader"])
         self.manager.last_saved = int(state["meta"]["step"])
+        if ctx.rank == 0:
+            print(f"resumed from step {self.manager.last_saved} ({path})", file=sys.stderr, flush=True)
         return int(state["meta"]["step"])
 
     def step(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None, *,

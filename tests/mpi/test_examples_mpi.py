@@ -24,9 +24,11 @@ def test_seed_template_converted(tmp_path: Path) -> None:
     assert (tmp_path / "model_epoch2.pth").exists()
 
 
-def run_loop(data: Path, run: Path, epochs: int) -> dict:
+def run_loop(data: Path, run: Path, epochs: int, said: list[str] | None = None) -> dict:
     proc = mpirun(2, [str(EXAMPLES / "custom_loop.py"), "--data", str(data), "--run-dir", str(run), "--epochs",
                       str(epochs)], python_module=False)
+    if said is not None:
+        said.append(proc.stdout + proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -35,9 +37,13 @@ def test_custom_loop_with_accumulation_resumes_exactly(digits2: Path, tmp_path: 
     assert straight["in_sync"] and straight["step"] == 4 * 23
     first = run_loop(digits2, tmp_path / "b", 2)
     assert first["step"] == 2 * 23
-    resumed = run_loop(digits2, tmp_path / "b", 4)
+    said: list[str] = []
+    resumed = run_loop(digits2, tmp_path / "b", 4, said)
     assert resumed["step"] == straight["step"]
     assert resumed["param_sha256"] == straight["param_sha256"]
+    assert said[0].count(f"resumed from step {2 * 23} (") == 1, said[0]  # rank 0 says so, once
+    again = run_loop(digits2, tmp_path / "b", 4, said)  # the same command once more: nothing is left
+    assert again["step"] == straight["step"] and "nothing left to do" in said[1], said[1]
 
 
 def test_custom_model_file_through_train(digits2: Path, tmp_path: Path) -> None:
