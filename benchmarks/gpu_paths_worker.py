@@ -45,6 +45,7 @@ from hpctrain.compute.models import mlp  # noqa: E402
 from hpctrain.control import checkpoint as ckpt  # noqa: E402
 from hpctrain.control.lm import flops_and_peak  # noqa: E402
 from hpctrain.control.precision import LossScaler  # noqa: E402
+from hpctrain.base.sections import CommConfig, OptimizerConfig, ZeroConfig  # noqa: E402
 from hpctrain.control.step import make_optimizer, make_sync, param_sha256, train_step  # noqa: E402
 from hpctrain.control.trainer import train  # noqa: E402
 from hpctrain.data.sharding import shard  # noqa: E402
@@ -157,13 +158,19 @@ def allreduce_path(mode: str) -> Callable[[Ctx], str]:
     return check
 
 
+def sync_for(cfg: TrainConfig, model: Any, comm: Comm) -> tuple[Any, Any]:
+    """The sync and optimizer `hpctrain train` builds for `cfg` (overlapped), from its sections."""
+    return make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
+                     overlap=True)
+
+
 def zero_path(stage: int, how: str) -> Callable[[Ctx], str]:
     def check(ctx: Ctx) -> str:
         params, reducer = {}, ""
         for zero in (0, stage):
             model = small_model(ctx)
             cfg = ctx.cfg(optimizer="adam", lr=0.01, zero=zero, zero_reduce=how, bucket_mb=BUCKET_MB)
-            sync, opt = make_sync(cfg, model, ctx.comm, overlap=True)
+            sync, opt = sync_for(cfg, model, ctx.comm)
             ctx.check_staging(sync.staging, sync.notes)
             run_steps(ctx, model, sync, opt, 4)
             sync.close()
@@ -182,7 +189,7 @@ def compress_path(spec: str) -> Callable[[Ctx], str]:
     def check(ctx: Ctx) -> str:
         model = small_model(ctx)
         cfg = ctx.cfg(grad_compression=spec, bucket_mb=BUCKET_MB, lr=0.1)
-        sync, opt = make_sync(cfg, model, ctx.comm, overlap=True)
+        sync, opt = sync_for(cfg, model, ctx.comm)
         ctx.check_staging(sync.staging, sync.notes)
         losses, digests = [], []
         for _ in range(12):
@@ -207,7 +214,7 @@ def reload_compressor(ctx: Ctx, model: Any, sync: Any, opt: Any, cfg: TrainConfi
     state = roundtrip(sync.compressor_state())
     twin = small_model(ctx)
     twin.load_state_dict(model.state_dict())
-    twin_sync, twin_opt = make_sync(cfg, twin, ctx.comm, overlap=True)
+    twin_sync, twin_opt = sync_for(cfg, twin, ctx.comm)
     twin_opt.load_state_dict(roundtrip(opt.state_dict()))
     twin_sync.load_compressor_state(state)
     devices = sorted({str(t.device) for t in twin_sync.compressor_state()["errors"].values()})
@@ -262,7 +269,7 @@ def fused_path(name: str) -> Callable[[Ctx], str]:
         ours = [torch.nn.Parameter(t.clone().to(ctx.device)) for t in start]  # clone: on the CPU .to() is no copy
         theirs = [torch.nn.Parameter(t.clone().to(ctx.device)) for t in start]
         cfg = ctx.cfg(optimizer=name, lr=0.01, weight_decay=0.01)
-        fused = make_optimizer(cfg, ours)
+        fused = make_optimizer(cfg.section(OptimizerConfig), ours)
         if fused.defaults.get("fused") is not True:
             raise AssertionError(f"make_optimizer gave {type(fused).__name__} with fused={fused.defaults.get('fused')}")
         kind = type(fused)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigError, one_of
+from .sections import TRAIN_SECTIONS
 
+S = TypeVar("S")
 HDF5_COMPRESSIONS = ("none", "lzf", "gzip")
 NORMALIZATIONS = ("none", "standard", "minmax")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -47,19 +49,8 @@ SHARD_RENAMED = {"compression": "hdf5_compression"}
 
 
 # Each config's fields by section: the panels of `--help`, the `[tables]` of a TOML file and the reference's
-# tables. Every field is in exactly one section (a test checks it).
-TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
-    "run": ("run_dir", "epochs", "max_steps", "seed"),
-    "data": ("data", "batch_size", "shuffle", "stage_to", "keep_staged", "audit_samples"),
-    "model": ("model", "init_weights"),
-    "optimizer": ("optimizer", "lr", "momentum", "weight_decay", "schedule", "warmup", "clip_grad", "accumulate"),
-    "communication": ("bucket_mb", "grad_compression", "overlap", "hierarchical", "deterministic"),
-    "zero": ("zero", "zero_reduce"),
-    "precision": ("precision",),
-    "checkpoint": ("checkpoint_every", "mtbf_hours", "keep", "resume"),
-    "watchdog": ("collective_timeout", "checkpoint_timeout"),
-    "logging": ("log_every", "json", "tensorboard", "progress"),
-}
+# tables. Every field is in exactly one section (a test checks it). TrainConfig's are its section classes
+# (base/sections.py), which its components receive.
 SHARD_SECTIONS: dict[str, tuple[str, ...]] = {
     "output": ("source", "out", "shards", "val_fraction", "seed", "force", "fsync"),
     "storage": ("hdf5_compression", "chunk_rows", "normalize", "workers"),
@@ -368,6 +359,10 @@ class TrainConfig:
     def upgrade(values: dict[str, Any]) -> dict[str, Any]:
         """`values` (a config file's, or an old checkpoint's) with renamed keys under their new names."""
         return {TRAIN_RENAMED.get(k, k): v for k, v in values.items()}
+
+    def section(self, cls: type[S]) -> S:
+        """This config's section `cls` (one of base/sections.py's), the value a component receives."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
     def to_sections(self) -> dict[str, Any]:
         """`to_dict()` grouped into the `[sections]` of TRAIN_SECTIONS (keys no field has stay at the top)."""

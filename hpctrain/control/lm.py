@@ -20,18 +20,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..base.config import TrainConfig
 from ..compute.models import build_model
 from ..data.shardformat import ShardSet
 
 
-def build(cfg: TrainConfig, shardset: ShardSet) -> Any:
-    """The model of `cfg.model` for this data: a classifier of its samples, or a language model of its tokens."""
+def build(spec: str, shardset: ShardSet) -> Any:
+    """The model of `spec` (--model) for this data: a classifier of its samples, or a language model of its
+    tokens."""
     if shardset.task != "lm":
-        return build_model(cfg.model, shardset.x_shape, shardset.num_classes)
+        return build_model(spec, shardset.x_shape, shardset.num_classes)
     from ..compute.gpt import build_lm
 
-    return build_lm(cfg.model, shardset.seq_len, shardset.num_classes)
+    return build_lm(spec, shardset.seq_len, shardset.num_classes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +68,12 @@ class Rates:
         return out
 
 
-def rates(cfg: TrainConfig, shardset: ShardSet, model: Any, comm: Any, device: Any) -> Rates:
-    """The Rates of this run; for a language model every rank measures its peak matmul FLOP/s now (collective)."""
+def rates(precision: str, shardset: ShardSet, model: Any, comm: Any, device: Any) -> Rates:
+    """The Rates of this run (`precision`: --precision); for a language model every rank measures its peak
+    matmul FLOP/s now (collective)."""
     if shardset.task != "lm":
         return Rates()
-    fpt, peak = flops_and_peak(model, shardset.seq_len, comm, device, cfg.precision)
+    fpt, peak = flops_and_peak(model, shardset.seq_len, comm, device, precision)
     val = shardset.manifest.get("splits", {}).get("val", {})
     per_byte = val.get("tokens", 0) / val["text_bytes"] if val.get("text_bytes") else 0.0
     return Rates(targets=shardset.seq_len, flops_per_token=fpt, peak_flops=peak, tokens_per_byte=per_byte)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from . import checkpoint as ckpt
 from . import rngstate
 from ..base.config import TrainConfig
+from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
 from ..comm import checkpoint_entries, load_entries
 
@@ -28,16 +29,16 @@ NOT_A_CHANGE = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", 
                 "stage_to", "keep_staged"}
 
 
-def resolve(cfg: TrainConfig, warn: Callable[[str], Any]) -> Path | None:
+def resolve(resume: str, run_dir: Path, warn: Callable[[str], Any]) -> Path | None:
     """The checkpoint directory to resume from (None: a fresh start): `--resume auto` takes the latest complete
     one in the run directory, `never` none, a path that one (verified: checksums read every byte)."""
-    if cfg.resume == "never":
+    if resume == "never":
         return None
-    if cfg.resume == "auto":
-        return ckpt.latest(cfg.run_dir, warn=warn)
-    path = Path(cfg.resume)
+    if resume == "auto":
+        return ckpt.latest(run_dir, warn=warn)
+    path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"--resume {cfg.resume!r}: no such checkpoint directory; use auto, never or a RUN/checkpoints/step-* path")
+        raise CheckpointError(f"--resume {resume!r}: no such checkpoint directory; use auto, never or a RUN/checkpoints/step-* path")
     ckpt.verify(path)
     return path
 
@@ -49,12 +50,12 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if k not in NOT_A_CHANGE and old.get(k) != new.get(k)]
 
 
-def kept_reducer(cfg: TrainConfig, state: dict[str, Any] | None, world: int) -> str | None:
+def kept_reducer(zero: ZeroConfig, state: dict[str, Any] | None, world: int) -> str | None:
     """With --zero-reduce auto, the reducer the checkpoint's run chose (on the same world size), else None.
 
     auto times the reducers at start-up and keeps the fastest; on 3 or more ranks they sum in different
     orders, so a resume that chose anew could continue with other bits than the run it resumes."""
-    if cfg.zero_reduce != "auto" or state is None or state["meta"].get("world_size") != world:
+    if zero.zero_reduce != "auto" or state is None or state["meta"].get("world_size") != world:
         return None
     return state["meta"].get("zero_reduce")
 

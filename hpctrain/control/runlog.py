@@ -27,7 +27,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..base.config import TrainConfig, write_toml
+from ..base.config import write_toml
+from ..base.sections import LoggingConfig
 from ..base.errors import HpctrainError
 from ..base.durable import FAULTS, write_failure, write_text
 from ..base.progress import Progress
@@ -154,16 +155,18 @@ def close_logging(log: logging.Logger) -> None:
     FAULTS.clear()
 
 
-def write_config(cfg: TrainConfig) -> None:
-    """The resolved config, as TOML beside the run: `hpctrain train --config RUN/config.toml` repeats it."""
-    with _writing(cfg.run_dir / "config.toml"):
-        write_text(cfg.run_dir / "config.toml", write_toml(cfg.to_sections()))
+def write_config(run_dir: Path, sections: dict[str, Any]) -> None:
+    """The resolved config (`TrainConfig.to_sections()`), as TOML beside the run: `hpctrain train --config
+    RUN/config.toml` repeats it."""
+    with _writing(run_dir / "config.toml"):
+        write_text(run_dir / "config.toml", write_toml(sections))
 
 
-def prepare(cfg: TrainConfig, rank: int, step: int, audit_lines: dict[str, int] | None) -> None:
-    """Make the run's files describe steps 1..`step` only. `audit_lines`: the line count of every audit
-    file at the checkpoint (None: a fresh run, every file starts empty). Rank 0 owns the shared files."""
-    metrics, timing, audit_dir = cfg.run_dir / "metrics.jsonl", _timing_path(cfg.run_dir, rank), cfg.run_dir / "samples"
+def prepare(run_dir: Path, audit: bool, rank: int, step: int, audit_lines: dict[str, int] | None) -> None:
+    """Make the run's files describe steps 1..`step` only (`audit`: --audit-samples). `audit_lines`: the line
+    count of every audit file at the checkpoint (None: a fresh run, every file starts empty). Rank 0 owns the
+    shared files."""
+    metrics, timing, audit_dir = run_dir / "metrics.jsonl", _timing_path(run_dir, rank), run_dir / "samples"
     if audit_lines is not None:
         if rank == 0:
             _keep_steps(metrics, step)
@@ -174,36 +177,36 @@ def prepare(cfg: TrainConfig, rank: int, step: int, audit_lines: dict[str, int] 
                     path.unlink()
         _keep_steps(timing, step)
     else:
-        for path in (metrics if rank == 0 else None, timing, _audit_path(cfg.run_dir, rank) if cfg.audit_samples else None):
+        for path in (metrics if rank == 0 else None, timing, _audit_path(run_dir, rank) if audit else None):
             if path is not None and path.exists():
                 path.unlink()
-    if rank == 0 and (cfg.run_dir / "summary.json").exists():
-        (cfg.run_dir / "summary.json").unlink()  # a summary always describes the run that wrote it
-    if cfg.audit_samples:
+    if rank == 0 and (run_dir / "summary.json").exists():
+        (run_dir / "summary.json").unlink()  # a summary always describes the run that wrote it
+    if audit:
         audit_dir.mkdir(parents=True, exist_ok=True)
 
 
 class RunLog:
     """The open files of one rank's run and the window of steps since the last logged one."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, log: logging.Logger, stack: contextlib.ExitStack, *,
-                 total_steps: int, step: int, rates: Any = None):
-        self.cfg, self.rank, self.log, self.total_steps = cfg, rank, log, total_steps
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, audit: bool, rank: int, log: logging.Logger,
+                 stack: contextlib.ExitStack, *, total_steps: int, step: int, rates: Any = None):
+        self.run_dir, self.cfg, self.rank, self.log, self.total_steps = run_dir, cfg, rank, log, total_steps
         self.rates = rates  # a language model's: targets per sample, and what tokens_per_s and mfu need
         self.targets = rates.targets if rates is not None else 1
-        self.metrics = stack.enter_context(RunFile(cfg.run_dir / "metrics.jsonl")) if rank == 0 else None
-        self.timing = stack.enter_context(RunFile(_timing_path(cfg.run_dir, rank)))
-        audit_path = _audit_path(cfg.run_dir, rank)
+        self.metrics = stack.enter_context(RunFile(run_dir / "metrics.jsonl")) if rank == 0 else None
+        self.timing = stack.enter_context(RunFile(_timing_path(run_dir, rank)))
+        audit_path = _audit_path(run_dir, rank)
         self.audit_lines = 0
-        if cfg.audit_samples and audit_path.exists():
+        if audit and audit_path.exists():
             with open(audit_path, "rb") as fh:
                 self.audit_lines = sum(1 for _ in fh)
-        self.audit = stack.enter_context(RunFile(audit_path)) if cfg.audit_samples else None
+        self.audit = stack.enter_context(RunFile(audit_path)) if audit else None
         self.tb = None
         if cfg.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(cfg.run_dir / "tensorboard"), purge_step=step or None)
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=step or None)
             stack.callback(self.tb.close)
         self.interactive = rank == 0 and cfg.progress and not cfg.json and sys.stderr.isatty()
         self.bar = stack.enter_context(Progress(total_steps, "train", enabled=self.interactive, unit="steps"))
@@ -261,7 +264,7 @@ class RunLog:
         """The last epoch_train_loss in metrics.jsonl (rank 0 reads, every rank gets it; a collective)."""
         value = None
         if self.rank == 0:
-            for line in (self.cfg.run_dir / "metrics.jsonl").read_text().splitlines():
+            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
                 value = json.loads(line).get("epoch_train_loss", value)
         return comm.bcast(value)
 

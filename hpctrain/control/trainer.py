@@ -26,10 +26,10 @@ from typing import Any
 
 
 from . import checkpoint as ckpt
-from . import lm, resume
-from . import runlog
+from . import lm, resume, runlog
 from ..comm import Comm, GradSync, world
 from ..base.config import TrainConfig
+from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, ZeroConfig
 from ..data import staging
 from ..data.reader import ShardReader, epoch_remainder
 from ..data.shardformat import ShardSet, load_manifest
@@ -135,11 +135,12 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
     run.staged = staged
     audit_lines = resume.restore(run) if start.state is not None else None
-    runlog.prepare(cfg, comm.rank, start.step, audit_lines)
+    runlog.prepare(cfg.run_dir, cfg.audit_samples, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up agreement", start.step)
     _agree_at_start_up(comm, None, start.step)
     watchdog.idle()
-    sink = RunLog(cfg, comm.rank, log, stack, total_steps=run.total_steps, step=start.step, rates=run.rates)
+    sink = RunLog(cfg.run_dir, cfg.section(LoggingConfig), cfg.audit_samples, comm.rank, log, stack,
+                  total_steps=run.total_steps, step=start.step, rates=run.rates)
     outcome = _loop(run, sink)
     return _finish(run, sink, outcome)
 
@@ -221,7 +222,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
         if cfg.init_weights is not None and not cfg.init_weights.is_file():
             raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
         torch.manual_seed(cfg.seed)
-        model = lm.build(cfg, shardset)  # a classifier of the samples, or a language model of the tokens
+        model = lm.build(cfg.model, shardset)  # a classifier of the samples, or a language model of the tokens
     except HpctrainError as exc:
         error = exc
     watchdog.phase("start-up checks", 0)
@@ -230,7 +231,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
         comm.agree(staging.space_error(plan, comm))
     if comm.rank == 0:
         try:
-            resume_path = resume.resolve(cfg, warnings.append)
+            resume_path = resume.resolve(cfg.resume, cfg.run_dir, warnings.append)
         except HpctrainError as exc:
             error = exc
     # the others wait for rank 0's own work (hashing every byte): the checkpoint budget; rank 0 waits for nobody
@@ -258,7 +259,7 @@ def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watch
              comm.size, comm.rank, env.local_rank, os.getpid(), socket.gethostname(), env.launcher, device,
              torch.get_num_threads())
     if comm.rank == 0:
-        runlog.write_config(cfg)
+        runlog.write_config(cfg.run_dir, cfg.to_sections())
     return log
 
 
@@ -337,7 +338,9 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
     watchdog.phase("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""), start.step)
-    sync, optimizer = make_sync(cfg, model, comm, overlap, reduce=(kept := resume.kept_reducer(cfg, start.state, comm.size)))
+    kept = resume.kept_reducer(cfg.section(ZeroConfig), start.state, comm.size)
+    sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model,
+                                comm, overlap, reduce=kept)
     stack.callback(sync.close)
     watchdog.idle()
     scheduler = torch.optim.lr_scheduler.LambdaLR(getattr(optimizer, "inner", optimizer),
@@ -353,7 +356,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
         on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
     watchdog.phase("start-up: every rank measures its peak FLOP/s (language models)", start.step)
-    rates = lm.rates(cfg, shardset, model, comm, device)
+    rates = lm.rates(cfg.precision, shardset, model, comm, device)
     watchdog.idle()
     return Run(cfg, comm, log, watchdog, shardset, model, device, start, reader, first_reader, val_reader, optimizer,
                scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps, rates,

@@ -49,6 +49,7 @@ class StagingStopped(HpctrainError):
     last checkpoint, so there is nothing new to save; the copies are removed and the run ends with exit 3."""
 
     exit_code = STOP_EXIT
+    label = ""  # a stop, not a failure: the CLI prints "stopped by ..." without "error: "
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,3 +144,39 @@ def test_sizes_a_reader_can_hold(path: Path) -> None:
     long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(text))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{module_name(path)}: {long}"
+
+
+# Who may hold a whole TrainConfig: the trainer (it hands each component its section), the commands, the tools
+# around the layers, and the library API; everything else receives a section (base/sections.py) or plain values.
+WHOLE_CONFIG_ALLOWED = ("hpctrain.control.trainer", "hpctrain.cli.", "hpctrain.tools.", "hpctrain.api",
+                        "hpctrain.base.config")
+
+
+def test_each_component_receives_its_section_not_the_whole_config() -> None:
+    takers = []
+    for path in FILES:
+        name = module_name(path)
+        if name.startswith(WHOLE_CONFIG_ALLOWED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(a.annotation is not None and "TrainConfig" in ast.unparse(a.annotation) for a in args):
+                    takers.append(f"{name}.{node.name}")
+    assert not takers, f"these take a whole TrainConfig; give them its section instead: {takers}"
+
+
+def test_the_sections_hold_every_field_of_train_config_once_with_its_type() -> None:
+    import typing
+    from dataclasses import fields
+
+    from hpctrain.base.config import TrainConfig
+    from hpctrain.base.sections import TRAIN_SECTION_CLASSES
+
+    hints = typing.get_type_hints(TrainConfig)
+    seen: list[str] = []
+    for cls in TRAIN_SECTION_CLASSES.values():
+        for name, hint in typing.get_type_hints(cls).items():
+            assert hint == hints[name], (cls.__name__, name, hint, hints[name])
+            seen.append(name)
+    assert sorted(seen) == sorted(f.name for f in fields(TrainConfig) if f.name != "extra")

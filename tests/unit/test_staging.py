@@ -171,7 +171,7 @@ def test_a_stop_ends_staging_between_pieces(data: Path, dest: Path, monkeypatch:
         calls.append(1)
         return len(calls) > 3  # during the first file (of many pieces)
 
-    with pytest.raises(staging.StagingStopped, match="while staging the shards.*--resume auto") as info:
+    with pytest.raises(staging.StagingStopped, match="while staging the shards.*run the same command to continue") as info:
         staging.stage_files(plan, stopped)
     assert info.value.exit_code == STOP_EXIT
     assert len(calls) == 4 and not plan.files[0].copy.exists()
