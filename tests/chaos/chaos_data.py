@@ -21,12 +21,11 @@ from chaos_space import SOURCE_INFO, DataSpec, classifier_shard_sizes
 
 STDLIB_FILES = ("bisect.py", "colorsys.py", "heapq.py", "keyword.py", "textwrap.py", "this.py")
 WEIGHTS_SCRIPT = """import sys, torch
-from hpctrain.base.config import TrainConfig
 from hpctrain.control.lm import build
 from hpctrain.data.shardformat import load_manifest
 data, model, out = sys.argv[1:4]
 torch.manual_seed(20261201)
-net = build(TrainConfig(data=data, run_dir=out + '.run', model=model), load_manifest(data))
+net = build(model, load_manifest(data))
 torch.save(net.state_dict(), out + '.tmp')
 """
 
