@@ -13,7 +13,6 @@ bucket views: 42 ms). `reuse_freed_memory()` sets those two with `mallopt`; an a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
@@ -33,8 +32,9 @@ def reuse_freed_memory() -> bool:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # The process's own symbols hold libc's: ctypes.util.find_library would run `ldconfig -p` in a
+        # subprocess, a child of every rank in the middle of its start-up.
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator decides
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

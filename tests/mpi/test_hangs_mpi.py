@@ -82,16 +82,23 @@ def test_a_rank_failing_alone_ends_the_job_and_says_why(tmp_path: Path) -> None:
 
 
 def _rank_pids(launcher: int) -> list[int]:
+    """The ranks under `launcher`: the processes with a rank's environment whose parent has none (a rank's
+    own child inherits it, and is not a rank)."""
     from hpctrain.tools.launch import descendants
 
-    pids = []
-    for pid in descendants(launcher):
+    def is_rank_env(pid: int) -> bool:
         try:
-            if b"OMPI_COMM_WORLD_RANK=" in Path(f"/proc/{pid}/environ").read_bytes():
-                pids.append(pid)
+            return b"OMPI_COMM_WORLD_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
-            pass
-    return pids
+            return False
+
+    def parent(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    return [pid for pid in descendants(launcher) if is_rank_env(pid) and not is_rank_env(parent(pid))]
 
 
 def _exe(pid: int) -> str:

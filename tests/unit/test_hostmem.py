@@ -36,3 +36,23 @@ def test_every_gradient_sync_asks_for_it() -> None:
     sync = GradSync(torch.nn.Linear(4, 2).parameters(), world(), overlap=False)
     sync.close()
     assert hostmem._done or any(k.startswith("MALLOC_") for k in os.environ)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_it_starts_no_process() -> None:
+    """A rank builds its gradient sync in the middle of its start-up, and a child process there (it was
+    `ldconfig -p`, from ctypes.util.find_library) is one more process with the rank's environment for
+    whoever counts or signals the ranks."""
+    probe = ("import subprocess\n"
+             "started = []\n"
+             "real = subprocess.Popen.__init__\n"
+             "def record(self, args, *a, **k):\n"
+             "    started.append(args)\n"
+             "    real(self, args, *a, **k)\n"
+             "subprocess.Popen.__init__ = record\n"
+             "from hpctrain.base.hostmem import reuse_freed_memory\n"
+             "print(reuse_freed_memory(), started)\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60,
+                         env=clean).stdout.strip()
+    assert out == "True []", out
