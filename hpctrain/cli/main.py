@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..base.rankenv import read_env
 from ..base.stop import FLAG, finishing, unblock
 from . import bench, container, doctor, generate, launch, report, shard, submit, train
 from .helpformat import App
@@ -48,6 +49,28 @@ app.add_typer(container.app, name="container")
 app.add_typer(bench.app, name="bench")
 
 
+def _run() -> None:
+    """Run the app. In a rank of a job of two or more (`mpirun -n 2 hpctrain train --bad`), a usage error is
+    printed once, by rank 0, on one line, instead of the usage box once per rank."""
+    job = read_env()
+    if (job.world_size or 1) < 2:
+        app(prog_name="hpctrain")
+        return
+    try:
+        code = app(prog_name="hpctrain", standalone_mode=False)
+    except Exception as exc:  # click's UsageError, of whichever click Typer ships (duck-typed, as in launch)
+        exit_code = getattr(exc, "exit_code", None)
+        if not callable(getattr(exc, "format_message", None)) or not isinstance(exit_code, int):
+            if type(exc).__name__ != "Abort":
+                raise
+            exit_code = 1
+        elif job.rank in (None, 0):
+            path = getattr(getattr(exc, "ctx", None), "command_path", None) or "hpctrain"
+            print(f"error: {exc.format_message()} (see `{path} --help`)", file=sys.stderr, flush=True)
+        sys.exit(exit_code)
+    sys.exit(code if isinstance(code, int) else 0)  # an Exit's code (a command itself returns None)
+
+
 def main() -> None:
     """The process entry (console script and `python -m hpctrain`)."""
     training = sys.argv[1:2] == ["train"]
@@ -55,7 +78,7 @@ def main() -> None:
         FLAG.install()  # or, in the launcher, to end the job before it starts
     unblock()
     try:
-        app(prog_name="hpctrain")
+        _run()
     finally:
         if training or sys.argv[1:2] == ["bench"]:  # both set the exit budget: MPI_Finalize waits for every rank
             finishing(FLAG.exit_budget)

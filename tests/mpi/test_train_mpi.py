@@ -107,6 +107,20 @@ def test_world_size_that_does_not_divide_shards_is_refused(digits2: Path, tmp_pa
     assert not run.exists()
 
 
+@pytest.mark.parametrize("args,needle", [(["--epochz", "3"], "error: No such option: --epochz"),
+                                         (["--lr", "abc"], "error: Invalid value for '--lr'")])
+def test_a_usage_error_under_mpirun_is_one_line_from_rank_0(digits2: Path, tmp_path: Path, args: list[str],
+                                                             needle: str) -> None:
+    """`mpirun -n 2 hpctrain train --bad` (no `hpctrain launch` to check first): before, every rank printed
+    the usage box (six lines each); now rank 0 prints one line and every rank exits 2."""
+    run = tmp_path / "r"
+    proc = mpirun(2, ["train", "--data", str(digits2), "--run-dir", str(run), *args], check=False)
+    assert proc.returncode == 2, proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if "hpctrain" in line or "rror" in line.split(":")[0]]
+    assert len(ours) == 1 and needle in ours[0] and "(see `hpctrain train --help`)" in ours[0], proc.stderr
+    assert "Usage:" not in proc.stderr and "Traceback" not in proc.stderr and not run.exists()
+
+
 def test_the_summary_says_the_threads_and_a_resume_on_other_threads_warns(digits2: Path, tmp_path: Path) -> None:
     """CPU results depend on torch's thread count (README "Bit-exact"): the same run gave one param_sha256 with 1
     and 4 threads and another with 2, and nothing said which a run had. Now summary.json and checkpoints record
