@@ -26,6 +26,14 @@ def fail(message: str, code: int = 2, label: str = "error: ") -> typer.Exit:
     return typer.Exit(code)
 
 
+def usage_error(exc: BaseException, path: str) -> str | None:
+    """click's usage error (an unknown flag, a bad value; of whichever click Typer ships, so duck-typed) as one
+    line that points to `PATH --help`; None for any other exception."""
+    if callable(getattr(exc, "format_message", None)) and isinstance(getattr(exc, "exit_code", None), int):
+        return f"{exc.format_message()} (see `{path} --help`)"
+    return None
+
+
 def handle_errors(fn: F) -> F:
     """Run a command, printing an HpctrainError as one line and exiting with its code (no traceback)."""
 

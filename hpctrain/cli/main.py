@@ -10,6 +10,7 @@ import typer
 from ..base.rankenv import read_env
 from ..base.stop import FLAG, finishing, unblock
 from . import bench, container, doctor, generate, launch, report, shard, submit, train
+from .common import usage_error
 from .helpformat import App
 
 app = App(
@@ -58,16 +59,13 @@ def _run() -> None:
         return
     try:
         code = app(prog_name="hpctrain", standalone_mode=False)
-    except Exception as exc:  # click's UsageError, of whichever click Typer ships (duck-typed, as in launch)
-        exit_code = getattr(exc, "exit_code", None)
-        if not callable(getattr(exc, "format_message", None)) or not isinstance(exit_code, int):
-            if type(exc).__name__ != "Abort":
-                raise
-            exit_code = 1
-        elif job.rank in (None, 0):
-            path = getattr(getattr(exc, "ctx", None), "command_path", None) or "hpctrain"
-            print(f"error: {exc.format_message()} (see `{path} --help`)", file=sys.stderr, flush=True)
-        sys.exit(exit_code)
+    except Exception as exc:  # click's UsageError (or Abort), of whichever click Typer ships
+        message = usage_error(exc, getattr(getattr(exc, "ctx", None), "command_path", None) or "hpctrain")
+        if message is None and type(exc).__name__ != "Abort":
+            raise
+        if message is not None and job.rank in (None, 0):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(getattr(exc, "exit_code", 1) if message is not None else 1)
     sys.exit(code if isinstance(code, int) else 0)  # an Exit's code (a command itself returns None)
 
 

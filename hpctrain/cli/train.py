@@ -12,7 +12,7 @@ import typer
 
 from ..base.config import TRAIN_RENAMED, TRAIN_SECTIONS, section_panels, TrainConfig, flatten_sections, read_toml
 from ..base.errors import ConfigError
-from .common import handle_errors, is_rank0
+from .common import handle_errors, is_rank0, usage_error
 from .options import config_parameters, given, take_renamed, with_signature
 
 
@@ -68,9 +68,10 @@ def config_from_args(args: list[str]) -> TrainConfig | None:
     except Exception as exc:  # click's UsageError and Exit, whichever click Typer ships (duck-typed)
         if getattr(exc, "exit_code", None) == 0:
             return None
-        if callable(getattr(exc, "format_message", None)):
-            raise ConfigError(f"{exc.format_message()} (see `hpctrain train --help`)") from None
-        raise
+        message = usage_error(exc, "hpctrain train")
+        if message is None:
+            raise
+        raise ConfigError(message) from None
     values = dict(ctx.params)
     config = values.pop("config", None)
     take_renamed(ctx, values, TRAIN_RENAMED)
