@@ -36,7 +36,7 @@ import torch
 
 from .control import checkpoint as ckpt
 from .control import rngstate
-from .comm import Comm, GradSync, ShardedOptimizer, ZeroSync, checkpoint_entries, load_entries, world
+from .comm import Comm, GradSync, ShardedOptimizer, checkpoint_entries, load_entries, world
 from .comm.zerooptim import sharded_owner
 from .data import staging
 from .data.reader import ShardReader
@@ -138,14 +138,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             overlap = auto_overlap(ctx.env, ctx.device.type if hasattr(ctx.device, "type") else "cpu")
         if zero not in (0, 1, 2):
             raise ConfigError(f"zero={zero!r} must be 0 (no sharding), 1 (optimizer state) or 2 (also gradients)")
+        self.sync: GradSync = GradSync(model.parameters(), ctx.comm, stage=zero, module=model, bucket_mb=bucket_mb,
+                                       overlap=overlap, compress=compress, hierarchical=hierarchical,
+                                       deterministic=deterministic, reduce=zero_reduce)
         if zero:
-            self.sync: GradSync = ZeroSync(model.parameters(), ctx.comm, stage=zero, bucket_mb=bucket_mb, overlap=overlap,
-                                           compress=compress, deterministic=deterministic, hierarchical=hierarchical,
-                                           reduce=zero_reduce)
             self.optimizer = ShardedOptimizer(optimizer, self.sync)
-        else:
-            self.sync = GradSync(model.parameters(), ctx.comm, bucket_mb=bucket_mb, overlap=overlap,
-                                 compress=compress, hierarchical=hierarchical, deterministic=deterministic)
         self.model = model
         self.world_size = ctx.world_size
         self._loss_scaled = False

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Comm, GradSync, ShardedOptimizer, ZeroSync
+from ..comm import Comm, GradSync, ShardedOptimizer
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..base.rankenv import RankEnv
@@ -157,18 +157,14 @@ def make_optimizer(cfg: OptimizerConfig, params: Any) -> Any:
 def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: Any, comm: Comm, overlap: bool, *,
               reduce: str | None = None) -> tuple[GradSync, Any]:
     """The gradient sync and the optimizer of a run, from its communication, ZeRO and optimizer sections: an
-    allreduce and a plain optimizer, or with --zero 1/2 a reduce-scatter and an optimizer that steps only this
-    rank's slices (parameters become bucket views); `reduce` overrides --zero-reduce (a resume keeps the
-    reducer its checkpoint was written with)."""
+    allreduce and a plain optimizer, or with --zero 1-3 a reduce-scatter and an optimizer that steps only this
+    rank's slices (parameters become bucket views; at stage 3 gathered by module only while in use);
+    `reduce` overrides --zero-reduce (a resume keeps the reducer its checkpoint was written with)."""
     optimizer = make_optimizer(opt, model.parameters())
-    if zero.zero:
-        sync = ZeroSync(model.parameters(), comm, stage=zero.zero, bucket_mb=wire.bucket_mb, overlap=overlap,
-                        compress=wire.grad_compression, deterministic=wire.deterministic,
-                        reduce=reduce or zero.zero_reduce)
-        return sync, ShardedOptimizer(optimizer, sync)
-    sync = GradSync(model.parameters(), comm, bucket_mb=wire.bucket_mb, overlap=overlap,
-                    compress=wire.grad_compression, hierarchical=wire.hierarchical, deterministic=wire.deterministic)
-    return sync, optimizer
+    sync = GradSync(model.parameters(), comm, stage=zero.zero, module=model, bucket_mb=wire.bucket_mb,
+                    overlap=overlap, compress=wire.grad_compression, hierarchical=wire.hierarchical,
+                    deterministic=wire.deterministic, reduce=reduce or zero.zero_reduce)
+    return sync, (ShardedOptimizer(optimizer, sync) if zero.zero else optimizer)
 
 
 def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,

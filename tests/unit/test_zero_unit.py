@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import hpctrain
 from hpctrain.base.errors import CheckpointError, ConfigError
 from hpctrain.comm import ShardedOptimizer, ZeroSync, full_state, self_comm
-from hpctrain.comm.zero import plan_segments, shard_bounds
+from hpctrain.comm.buckets import plan_segments, shard_bounds
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
