@@ -20,7 +20,7 @@ NORMALIZATIONS = ("none", "standard", "minmax")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce")
 def parse_grad_compression(spec: str) -> tuple[str, float]:
     """(kind, parameter) of a --grad-compression value: none, fp16, bf16, powersgd[:RANK], topk[:FRACTION]."""
@@ -276,9 +276,10 @@ class TrainConfig:
     zero: int = 0
     """Shard training state across ranks (ZeRO): 0 none; 1 optimizer state (each rank steps only the slices
     it owns, then parameters are allgathered); 2 also gradients (reduce-scattered, full buckets freed once
-    sent). sgd, adam and adamw all work; checkpoints resume on any world size and stage."""
+    sent); 3 also parameters (each module's gathered only for its forward and backward). sgd, adam and
+    adamw all work; checkpoints resume on any world size and stage (hpctrain plan: the bytes per rank)."""
     zero_reduce: str = "auto"
-    """How --zero 1/2 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
+    """How --zero 1-3 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
     allreduce (each rank keeps its slice), or auto (time each at start-up, keep the fastest)."""
     audit_samples: bool = False
     """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
@@ -333,7 +334,8 @@ class TrainConfig:
             raise one_of("schedule", self.schedule, SCHEDULES)
         kind, _ = parse_grad_compression(self.grad_compression)
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ConfigError(f"--zero {self.zero!r} must be 0 (no sharding), 1 (optimizer state) or 2 (also gradients)")
+            raise ConfigError(f"--zero {self.zero!r} must be 0 (no sharding), 1 (optimizer state), 2 (also gradients) "
+                              "or 3 (also parameters)")
         if self.precision not in PRECISIONS:
             raise one_of("--precision", self.precision, PRECISIONS)
         if self.zero_reduce not in ZERO_REDUCERS:

@@ -91,7 +91,7 @@ def train(
     grad_compression: Annotated[str, typer.Option(help="Wire format of the gradients: none, fp16 or bf16.")] = "none",
     compress: Annotated[Optional[str], typer.Option(hidden=True, help="Old spelling of --grad-compression.")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per local rank; DDP baseline skipped).")] = "cpu",
-    zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1 or 2: timed beside stage 0 instead of DDP).")] = 0,
+    zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1-3: timed beside stage 0 instead of DDP).", min=0, max=3)] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw; lr 0.01.")] = "sgd",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
     collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
@@ -104,8 +104,9 @@ def train(
     on every rank at once, plus one raw Allreduce of all gradient bytes where overlap cannot hide it;
     `step_over_limit` is the median over rounds that alternate the two.
 
-    With --zero 1|2 the step runs sharded and is timed beside stage 0; compare the memory of two runs, one
-    per stage, with benchmarks/zero_memory.py.
+    With --zero 1-3 the step runs sharded and is timed beside stage 0 (at stage 3 the phases add the time of
+    the parameter gathers and the part of it the step waited for: what prefetch, with --overlap, hides);
+    compare the memory of two runs, one per stage, with benchmarks/zero_memory.py.
 
     Example: hpctrain bench train -n 2 --baseline ddp --json
 

@@ -10,7 +10,7 @@ formats.
 
 from .gradsync import GradSync, ZeroSync
 from .world import Comm, MpiInfo, cuda_aware, mpi_info, self_comm, world
-from .zerooptim import ShardedOptimizer, checkpoint_entries, full_state, load_entries, sharded_owner
+from .zerooptim import ShardedOptimizer, full_state, sharded_owner
 
-__all__ = ["Comm", "GradSync", "MpiInfo", "ShardedOptimizer", "ZeroSync", "checkpoint_entries", "cuda_aware",
-           "full_state", "load_entries", "mpi_info", "self_comm", "sharded_owner", "world"]
+__all__ = ["Comm", "GradSync", "MpiInfo", "ShardedOptimizer", "ZeroSync", "cuda_aware", "full_state", "mpi_info",
+           "self_comm", "sharded_owner", "world"]

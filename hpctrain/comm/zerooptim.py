@@ -206,24 +206,6 @@ def full_state(layout: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str
     return {"state": state, "param_groups": layout["param_groups"]}
 
 
-def checkpoint_entries(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(what a checkpoint's train state holds for `optimizer`, this rank's shard or None): a plain
-    optimizer's state_dict, or a sharded one's layout and shard."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.layout_state(), optimizer.shard_state()
-    return optimizer.state_dict(), None
-
-
-def load_entries(optimizer: Any, saved: dict[str, Any], shards: list[Any]) -> None:
-    """Load what `checkpoint_entries` saved (on any world size and stage) into `optimizer`, plain or
-    sharded; `shards` are the checkpoint's per-rank shards (None for a plain optimizer's checkpoint)."""
-    if "zero" in saved:
-        if any(s is None for s in shards):
-            raise CheckpointError("the checkpoint was written by a sharded optimizer (--zero) but lacks a rank's shard")
-        saved = full_state(saved, shards)
-    optimizer.load_state_dict(saved)
-
-
 def _to_cpu(tree: Any) -> Any:
     import torch
 

@@ -23,17 +23,26 @@ from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 
 
-def param_sha256(model: Any) -> str:
-    """sha256 over the model's state_dict tensors, in key order: equal on every rank when ranks are in sync."""
+def param_sha256(model: Any, sync: Any = None, keep: bool = False) -> tuple[str, dict[str, Any] | None]:
+    """(sha256 over the model's state_dict tensors in key order, equal on every rank when ranks are in sync;
+    with `keep`, the state_dict as CPU copies). At ZeRO stage 3 the model is gathered unit by unit through
+    `sync` (collective: every rank calls this), never whole on a rank that does not `keep` it."""
     import torch
 
     digest = hashlib.sha256()
-    for key, tensor in model.state_dict().items():
+    kept: dict[str, Any] | None = {} if keep else None
+    copies: dict[int, Any] = {}  # a tensor under two keys (tied weights) is kept once, as torch.save keeps it
+    items = sync.state_items(model) if sync is not None else model.state_dict(keep_vars=True).items()
+    for key, tensor in items:
         digest.update(key.encode())
         t = tensor.detach().cpu().contiguous().view(-1)
-        if t.numel():
-            digest.update(t.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        if t.numel():  # hashed from a copy: Tensor.numpy() would pin the size of a ZeRO 3 parameter's storage
+            digest.update(t.view(torch.uint8).clone().numpy())
+        if kept is not None:
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
+            kept[key] = copies[id(tensor)]
+    return digest.hexdigest(), kept
 
 
 def auto_overlap(env: RankEnv, device_type: str) -> bool:
@@ -72,7 +81,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
         sync.enabled = i == len(bounds) - 2
-        if hi == lo:
+        if hi == lo and sync.stage != 3:  # ZeRO 3 gathers parameters in forward: every rank runs every one
             continue
         xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
         if xt.dtype != torch.float32 and xt.dtype != torch.int64:  # int64: token ids
@@ -91,6 +100,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     sync.wait()
     clock.lap("wait")
     if scaler is not None and not scaler.unscale(sync.grad_tensors(), sync.comm):
+        clock.done()
         return loss_value  # an inf or NaN on some rank: every rank skips this step
     if clip_grad:
         clip = getattr(optimizer, "clip_grad_norm_", None)  # a sharded optimizer clips its slices
@@ -100,6 +110,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
     clock.lap("optimizer")
+    clock.done()
     return loss_value
 
 
@@ -112,6 +123,16 @@ class _Clock:
         if phases is not None:
             self.hooks = sync.hook_seconds
             self.last = time.perf_counter()
+            gathers = getattr(sync.strategy, "gather_seconds", None)  # ZeRO 3
+            self.gathers = (gathers, sync.strategy.wait_seconds) if gathers is not None else None
+
+    def done(self) -> None:
+        """The step is over: ZeRO 3's gather time and the part of it forward and backward waited for."""
+        if self.phases is not None and self.gathers is not None:
+            strategy = self.sync.strategy
+            for key, now, before in (("gathers", strategy.gather_seconds, self.gathers[0]),
+                                     ("gather_wait", strategy.wait_seconds, self.gathers[1])):
+                self.phases[key] = self.phases.get(key, 0.0) + now - before
 
     def lap(self, phase: str) -> None:
         if self.phases is None:
@@ -168,10 +189,11 @@ def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: A
 
 
 def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,
-             step: int = 0, precision: str = "fp32") -> dict[str, float]:
+             step: int = 0, precision: str = "fp32", every_batch: bool = False) -> dict[str, float]:
     """Validation loss and accuracy over all ranks' validation shards (per token for a language model).
     Only the final reduction is a wait on other ranks (watched); the pass itself, however long, is this
-    rank's own work."""
+    rank's own work, but with `every_batch` (ZeRO 3: each forward gathers parameters, a collective) every rank
+    runs a forward for every step of the pass, empty batches included."""
     import torch
 
     model.eval()
@@ -179,7 +201,7 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     with torch.no_grad():
         for batch in reader.epoch(0):
-            if not len(batch.y):
+            if not len(batch.y) and not every_batch:
                 continue
             device = next(model.parameters()).device
             x = torch.from_numpy(batch.x).to(device)

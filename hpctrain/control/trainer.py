@@ -21,7 +21,6 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -35,7 +34,7 @@ from ..data.reader import ShardReader, epoch_remainder
 from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import replacing, write_failure, write_text
 from ..base.rankenv import RankEnv, read_env, select_device
-from ..base.errors import CheckpointError, ConfigError, HpctrainError
+from ..base.errors import ConfigError, HpctrainError
 from .runlog import RunLog
 from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
@@ -131,7 +130,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
         shardset, staged = staging.stage(plan, shardset, comm, keep=cfg.keep_staged, on_exit=stack.callback, log=log.info)
         watchdog.idle()
     _share_initial_weights(cfg, comm, model, device, watchdog)
-    start = _resume_point(cfg, comm, shardset, resume_path, watchdog)
+    start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
     run.staged = staged
     audit_lines = resume.restore(run) if start.state is not None else None
@@ -146,19 +145,6 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
 
 
 @dataclass(slots=True)
-class Start:
-    """Where the run starts: step 0, or a checkpoint (maybe written on another world size, mid-epoch)."""
-
-    step: int = 0
-    epoch: int = 0
-    in_epoch: int = 0  # steps of `epoch` already done on this world size
-    prior: list[tuple[int, int]] = field(default_factory=list)  # (world size, steps) of the epoch's earlier segments
-    resumed_from: int | None = None
-    path: Path | None = None
-    state: dict[str, Any] | None = None  # the checkpoint: meta, model, train, ranks
-
-
-@dataclass(slots=True)
 class Run:
     """What one rank's run is made of, built once by `_build`."""
 
@@ -169,7 +155,7 @@ class Run:
     shardset: ShardSet
     model: Any
     device: Any
-    start: Start
+    start: resume.Start
     reader: ShardReader  # the epochs after the first
     first_reader: ShardReader  # the first epoch: the rest of an elastic one, or `reader`
     val_reader: ShardReader | None
@@ -283,33 +269,8 @@ def _share_initial_weights(cfg: TrainConfig, comm: Comm, model: Any, device: Any
     torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
 
 
-def _resume_point(cfg: TrainConfig, comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Watchdog) -> Start:
-    """Where to start: fresh, or the checkpoint at `path` (read on rank 0, broadcast)."""
-    if path is None:
-        return Start()
-    watchdog.phase("loading the checkpoint", 0, budget=cfg.checkpoint_timeout if comm.rank else None)
-    state = ckpt.load_broadcast(path, comm, verified=True)
-    watchdog.idle()
-    meta = state["meta"]
-    if meta["data_fingerprint"] != shardset.fingerprint:
-        comm.agree(CheckpointError(
-            f"checkpoint {str(path)!r} was written for another dataset (manifest fingerprint "
-            f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shardset.fingerprint[:12]}): "
-            "point --data at the original shards or start a new --run-dir"))
-    segments = [tuple(seg) for seg in meta.get("segments", [])]
-    if not segments and meta["step_in_epoch"]:
-        segments = [(meta["world_size"], meta["step_in_epoch"])]
-    start = Start(step=int(meta["step"]), epoch=int(meta["epoch"]), resumed_from=int(meta["step"]), path=path,
-                  state=state)
-    if segments and segments[-1][0] == comm.size:
-        start.prior, start.in_epoch = segments[:-1], segments[-1][1]
-    else:
-        start.prior = segments  # elastic: a new segment of this epoch on this world size
-    return start
-
-
 def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watchdog: Watchdog, shardset: ShardSet,
-           model: Any, device: Any, start: Start, stack: contextlib.ExitStack) -> Run:
+           model: Any, device: Any, start: resume.Start, stack: contextlib.ExitStack) -> Run:
     """Readers, optimizer, LR schedule over the planned steps, gradient sync and checkpoint manager."""
     import torch
 
@@ -426,7 +387,7 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
         started = time.perf_counter()
         watchdog.at_edge(edge_budget(run.cfg.collective_timeout))  # its reduction waits for the slowest rank's pass
         out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=out.step,
-                                precision=run.cfg.precision)
+                                precision=run.cfg.precision, every_batch=run.cfg.zero == 3)
         watchdog.at_edge(None)
         out.last_val.update(run.rates.validation(out.last_val))
         out.val_step = out.step
@@ -460,9 +421,11 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     paused = out.paused + run.manager.stall_seconds
     samples_per_s = out.samples / max(train_time - paused, 1e-9) if out.samples else None
     if out.val_step != step and run.val_reader is not None:  # the final model's, not an earlier epoch's
-        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step, precision=cfg.precision)
+        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step, precision=cfg.precision,
+                                every_batch=cfg.zero == 3)
         out.last_val.update(run.rates.validation(out.last_val))
-    digest = param_sha256(run.model)
+    watchdog.phase("the final model (ZeRO 3 gathers it unit by unit)", step)
+    digest, whole = param_sha256(run.model, run.sync, keep=comm.rank == 0)
     watchdog.phase("summary reductions", step)
     hashes = comm.allgather(digest)
     e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
@@ -487,7 +450,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         path = cfg.run_dir / "model.pt"
         try:
             with replacing(path) as tmp:
-                torch.save(run.model.state_dict(), tmp)
+                torch.save(whole, tmp)
             path = cfg.run_dir / "summary.json"
             write_text(path, json.dumps(summary, indent=2) + "\n")
         except OSError as exc:  # a full disk: one line that says which file, and the free bytes
