@@ -218,48 +218,41 @@ def build_index(parts: list[tuple[int, int, list[dict[str, Any]]]]) -> dict[str,
     return index
 
 
-def read_header(path: Path) -> tuple[int, list[dict[str, Any]]]:
-    """(the file offset a part file's data starts at, its piece entries) of a part file of format 2."""
+def _bad_part(path: Path) -> Any:
+    return lambda why: CheckpointError(f"checkpoint part {str(path)!r} is malformed: {why}")
 
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint part {str(path)!r} is malformed: {why}")
 
-    with open(path, "rb") as fh:
-        if fh.read(8) != PART_MAGIC:
-            raise bad("wrong magic bytes")
-        size = int.from_bytes(fh.read(8), "little")
-        if size > os.fstat(fh.fileno()).st_size - 16:
-            raise bad(f"header length {size} exceeds the file")
-        try:
-            header = decode_json(fh.read(size))
-        except ValueError as exc:
-            raise bad(f"its header is {exc}") from None
+def _open_header(fh: Any, path: Path, magic: bytes) -> tuple[int, dict[str, Any], int]:
+    """(header length, header, file size) of the part file open in `fh`, checked: magic, length, JSON, byte order."""
+    bad = _bad_part(path)
+    if fh.read(8) != magic:
+        raise bad("wrong magic bytes")
+    size = int.from_bytes(fh.read(8), "little")
+    total = os.fstat(fh.fileno()).st_size
+    if size > total - 16:
+        raise bad(f"header length {size} exceeds the file")
+    try:
+        header = decode_json(fh.read(size))
+    except ValueError as exc:
+        raise bad(f"its header is {exc}") from None
     if not isinstance(header, dict) or header.get("byteorder") != sys.byteorder:
         order = header.get("byteorder") if isinstance(header, dict) else None
         raise bad(f"written on a {brief(order, 20)}-endian machine, this one is {sys.byteorder}-endian")
+    return size, header, total
+
+
+def read_header(path: Path) -> tuple[int, list[dict[str, Any]]]:
+    """(the file offset a part file's data starts at, its piece entries) of a part file of format 2."""
+    with open(path, "rb") as fh:
+        size, header, _ = _open_header(fh, path, PART_MAGIC)
     return 16 + size, header.get("pieces", [])
 
 
 def read_part(path: Path) -> dict[int, Any]:
     """The tensors of a part file of format 1, each read into its own memory (no pickle, nothing executed)."""
-
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint part {str(path)!r} is malformed: {why}")
-
+    bad = _bad_part(path)
     with open(path, "rb") as fh:
-        if fh.read(8) != PART_MAGIC_1:
-            raise bad("wrong magic bytes")
-        size = int.from_bytes(fh.read(8), "little")
-        total = os.fstat(fh.fileno()).st_size
-        if size > total - 16:
-            raise bad(f"header length {size} exceeds the file")
-        try:
-            header = decode_json(fh.read(size))
-        except ValueError as exc:
-            raise bad(f"its header is {exc}") from None
-        if not isinstance(header, dict) or header.get("byteorder") != sys.byteorder:
-            order = header.get("byteorder") if isinstance(header, dict) else None
-            raise bad(f"written on a {brief(order, 20)}-endian machine, this one is {sys.byteorder}-endian")
+        size, header, total = _open_header(fh, path, PART_MAGIC_1)
         try:
             return _read_tensors(fh, header.get("tensors", []), 16 + size, total, bad)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
