@@ -26,6 +26,7 @@ from typing import Any
 
 from . import checkpoint as ckpt
 from . import lm, resume, runlog
+from . import plan as memplan
 from ..comm import Comm, GradSync, world
 from ..base.config import TrainConfig
 from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, ZeroConfig
@@ -115,6 +116,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     import torch
 
     torch.set_num_threads(env.torch_threads())
+    runtime = memplan.warm_runtime(cfg.optimizer)  # this process before any model or data: the plan's runtime
     if STOP.install():  # the CLI installed it at process start; library callers get it here
         stack.callback(STOP.restore)
     # every wait on other ranks from here on is watched; heartbeat files once the run directory exists
@@ -132,6 +134,10 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     _share_initial_weights(cfg, comm, model, device, watchdog)
     start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
+    planned = memplan.for_run(cfg.model, shardset, world=comm.size, zero=cfg.zero, runtime=runtime, work=memplan.Workload(
+        cfg.optimizer, cfg.precision, cfg.batch_size, cfg.bucket_mb, cfg.momentum))
+    run.plan = planned if isinstance(planned, memplan.Plan) else None
+    log.info("%s", memplan.line(planned) if run.plan is not None else planned)
     run.staged = staged
     audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg.run_dir, cfg.audit_samples, comm.rank, start.step, audit_lines)
@@ -169,6 +175,7 @@ class Run:
     scaler: LossScaler | None  # fp16's loss scale
     audit_frozen: dict[str, int] = field(default_factory=dict)  # audit files of ranks beyond this world size
     staged: staging.Staged = field(default_factory=staging.Staged)  # what --stage-to copied
+    plan: memplan.Plan | None = None  # the memory plan (hpctrain plan) the run logs and checks its peak against
 
 
 @dataclass(slots=True)
@@ -424,6 +431,13 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step, precision=cfg.precision,
                                 every_batch=cfg.zero == 3)
         out.last_val.update(run.rates.validation(out.last_val))
+    watchdog.phase("memory reductions", step)
+    memory = memplan.measured(run.sync, run.optimizer, comm, run.log.info)  # before the final model (whole on rank 0)
+    unplanned = memplan.departure(run.plan, memory) if run.plan is not None else None
+    if unplanned:
+        run.log.warning("%s", unplanned)
+        if comm.rank == 0:
+            print(f"warning: {unplanned}", file=sys.stderr)
     watchdog.phase("the final model (ZeRO 3 gathers it unit by unit)", step)
     digest, whole = param_sha256(run.model, run.sync, keep=comm.rank == 0)
     watchdog.phase("summary reductions", step)
@@ -445,6 +459,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
         "torch_threads": torch.get_num_threads(), **run.rates.summary(samples_per_s or 0.0, out.last_val),
         "checkpoint": m.summary(cfg.checkpoint_every == "auto", train_time),
+        "memory": {**memory, "plan": memplan.as_dict(run.plan) if run.plan is not None else None},
     }
     if comm.rank == 0:
         path = cfg.run_dir / "model.pt"

@@ -1,6 +1,6 @@
-"""ZeRO stages 1, 2 and 3 on real MPI ranks: the same model as stage 0, resume on another world size and stage
-reading only what each rank owns, a checkpoint of format 1, bit-exact --deterministic, 16-bit wire formats, and
-the library API."""
+"""ZeRO stages 1, 2 and 3 on real MPI ranks: the same model as stage 0, the memory plan against what the ranks
+hold, resume on another world size and stage reading only what each rank owns, a checkpoint of format 1,
+bit-exact --deterministic, 16-bit wire formats, and the library API."""
 
 from __future__ import annotations
 
@@ -42,17 +42,22 @@ def max_diff(a: Path, b: Path) -> float:
 
 @pytest.mark.parametrize("optimizer", [["--optimizer", "sgd", "--momentum", "0.9"],
                                        ["--optimizer", "adam", "--lr", "0.01", "--clip-grad", "0.5"]])
-def test_stages_1_to_3_end_within_1e_5_of_stage_0(tmp_path: Path, digits4: Path, optimizer: list[str]) -> None:
-    runs = {}
+def test_stages_1_to_3_end_within_1e_5_of_stage_0_holding_what_the_plan_says(tmp_path: Path, digits4: Path,
+                                                                              optimizer: list[str]) -> None:
+    runs, held = {}, {}
     for stage in (0, 1, 2, 3):
         runs[stage] = tmp_path / f"z{stage}"
         s = train(4, digits4, runs[stage], "--max-steps", "12", "--zero", str(stage), *optimizer)
         assert s["ranks_in_sync"] and s["steps"] == 12
+        memory, plan = s["memory"], s["memory"]["plan"]
+        held[stage] = memory["params"] + memory["grads"] + memory["optimizer"]
+        assert plan["stage"] == stage and abs(held[stage] / plan["state"] - 1) <= 0.10, (stage, memory)
     for stage in (1, 2, 3):
         assert max_diff(runs[0], runs[stage]) <= 1e-5, stage
     assert max_diff(runs[0], runs[3]) > 0 or optimizer[1] == "sgd"  # a real reduce-scatter, not a copy of stage 0
+    assert held[3] < 0.4 * held[0]  # a 4-rank slice of everything (the tiny model's 0-d states weigh in)
     log = (runs[3] / "logs" / "rank-0000.log").read_text()
-    assert "zero stage 3" in log and "ZeRO stage 3: gradients summed by" in log
+    assert "zero stage 3" in log and "ZeRO stage 3: gradients summed by" in log and "memory plan, ZeRO stage 3" in log
 
 
 def read_bytes(run: Path, rank: int) -> int:
