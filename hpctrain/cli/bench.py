@@ -152,9 +152,11 @@ def _print_train(result: dict) -> None:
     print(f"  limit              {result['limit_step_ms']:8.2f} ms  (plain torch step on every rank at once: "
           f"{result['plain_torch_step_ms']:.2f} ms{', plus one raw allreduce' if result['limit_comm_ms'] else ''}); "
           f"step / limit {result['step_over_limit']:.2f} (rounds {min(spread):.2f}-{max(spread):.2f})")
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
     if "stage0" in result:
         print(f"  stage 0 step       {result['stage0']['step_ms']:8.2f} ms  (stage {result['zero']} / stage 0: "
               f"{result['step_over_stage0']:.2f}x; gradients summed by {result['zero_reduce']})")
+        print(f"  where a step goes  {phases} (ms, slowest rank)")
         return
     if "ddp" in result:
         print(f"  DDP (gloo) step    {result['ddp']['step_ms']:8.2f} ms  {result['ddp']['samples_per_s']:9.0f} samples/s")
@@ -165,7 +167,6 @@ def _print_train(result: dict) -> None:
     print(f"  one rank alone     {result['single_rank_step_ms']:8.2f} ms  scaling efficiency {result['scaling_efficiency']:.2f}")
     print(f"  one rank, own world{result['self_world_step_ms']:8.2f} ms  (hpctrain's step on every rank at once, no "
           f"communication: {result['self_world_over_plain']:.2f}x plain torch)")
-    phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
     print(f"  where a step goes  {phases} (ms, slowest rank); {result['wire_bytes_per_step']:,} bytes on the wire")
 
 

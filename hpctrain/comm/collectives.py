@@ -107,9 +107,12 @@ class Collectives:
                                      vspec(full, counts, MPI, resizable=True))
 
     # -- the choice of reducer -------------------------------------------------------------------------
-    def fastest_reducer(self, send: Any, out: Any, counts: list[int]) -> tuple[str, str]:
+    def fastest_reducer(self, send: Any, out: Any, counts: list[int], packed: bool = False) -> tuple[str, str]:
         """Time each reducer on `send` (median of 3 after a warm-up, the slowest rank's); return the fastest
-        and the times in words. The times are the same on every rank, and so is the choice."""
+        and the times in words. The times are the same on every rank, and so is the choice. `packed`: the
+        reduce-scatters of this bucket first pack it (a copy of its bytes) and the allreduce does not (it sums
+        its large gradients in their own memory): their times include such a copy (one half of `send` into the
+        other and back, no second buffer)."""
         import torch
 
         MPI = load_mpi()
@@ -120,6 +123,10 @@ class Collectives:
                 if send.is_cuda:
                     torch.cuda.synchronize(send.device)
                 start = time.perf_counter()
+                if packed and how != "allreduce":
+                    half = send.numel() // 2
+                    send[:half].copy_(send[half:2 * half])
+                    send[half:2 * half].copy_(send[:half])
                 self.reduce_scatter(send, out, counts, MPI.SUM, how)
                 runs.append(time.perf_counter() - start)
             times.append(sorted(runs[1:])[1])

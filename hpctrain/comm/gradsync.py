@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..base.config import ZERO_REDUCERS, parse_grad_compression
 from ..base.errors import CommError, ConfigError
-from ..base.hostmem import reuse_freed_memory
+from ..base.hostmem import give_back_freed_memory, reuse_freed_memory
 from ..base.threads import join_logged
 from . import compress as compression
 from .allreduce import WholeGradients
@@ -36,7 +36,7 @@ from .buckets import Bucket, trainable_in_backward_order
 from .collectives import Collectives
 from .wire import buffer_spec, wire_bytes
 from .world import Comm, cuda_aware, load_mpi
-from .zero import ShardedState, make_segments
+from .zero import ShardedState, make_segments, unpacked
 from .zero3 import ShardedParams
 
 
@@ -131,6 +131,8 @@ class GradSync:
         self.reduce, self.probe = "allreduce", ""
         if stage:
             self._choose_reducer(reduce)
+        if stage == 3:  # the whole model was built, then freed but for this rank's slices: give it back
+            give_back_freed_memory()
         self.strategy.start()
 
     # -- the public step protocol ------------------------------------------------------------------
@@ -250,7 +252,10 @@ class GradSync:
             out = torch.empty_like(bucket.shard)
             if send.is_cuda and self.staging:  # staged: the collective runs on host memory
                 send, out = send.cpu(), out.cpu()
-            reduce, self.probe = self.colls.fastest_reducer(send, out, bucket.counts)
+            self.reduce = "allreduce"  # would it sum this bucket unpacked? then the others pay a packed copy
+            packed = self.stage >= 2 and unpacked(self, bucket)
+            reduce, self.probe = self.colls.fastest_reducer(send, out, bucket.counts, packed)
+            del send, out
         self.reduce = self.colls.reducer = reduce if reduce != "auto" else "reduce-scatter"
         self.notes.append(f"ZeRO stage {self.stage}: gradients summed by {self.reduce}" + (
             f" (timed at start-up: {self.probe})" if self.probe else ""))

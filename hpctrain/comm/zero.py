@@ -78,6 +78,56 @@ def reduce_into_shard(engine: Any, send: Any, bucket: Bucket) -> None:
         bucket.shard.copy_(out)
 
 
+def unpacked(engine: Any, bucket: Bucket) -> bool:
+    """Whether `bucket` is summed without packing it: by the allreduce reducer (each rank keeps its slice of
+    the sum anyway), in host memory, not in rank order, and with a gradient large enough to be summed alone."""
+    return (engine.reduce == "allreduce" and not engine.deterministic and engine.comm.size > 1
+            and not (engine.device.type == "cuda" and engine.staging) and len(bucket.params) > 1
+            and any(p.numel() * p.element_size() >= engine.OWN_BYTES for p in bucket.params))
+
+
+def allreduce_into_shard(engine: Any, bucket: Bucket, buffer: Any) -> None:
+    """The allreduce reducer with no packed copy of the bucket: a large gradient is summed in its own memory
+    (as stage 0 does), the small ones together in `buffer`, and this rank copies its slice of each sum into
+    `bucket.shard`; the `.grad`s are dropped. The same collectives in the same order on every rank."""
+    import torch
+
+    e, MPI = engine, load_mpi()
+    small, at = [], 0
+    for p in bucket.params:
+        if p.numel() * p.element_size() >= e.OWN_BYTES:
+            grad = (p.grad.reshape(-1).contiguous() if p.grad is not None
+                    else torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+            p.grad = None
+            _sum_and_keep(e, grad, [(at, grad)], bucket, MPI)
+        else:
+            small.append((p, at))
+        at += p.numel()
+    if small:
+        packed, parts, offset = buffer[:sum(p.numel() for p, _ in small)], [], 0
+        for p, at in small:
+            view = packed[offset:offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            p.grad = None
+            parts.append((at, view))
+            offset += p.numel()
+        _sum_and_keep(e, packed, parts, bucket, MPI)
+
+
+def _sum_and_keep(e: Any, buf: Any, parts: list[tuple[int, Any]], bucket: Bucket, MPI: Any) -> None:
+    """Sum `buf` over the ranks in place, then copy this rank's part of each (offset in the bucket, view of
+    `buf`) into the shard."""
+    e.count_wire(buf.numel(), buf.element_size())
+    scaled_sum(buf, buf, e.compress, e.prescale, e.postscale, e.comm.size, e.colls.allreduce, MPI)
+    for at, view in parts:
+        lo, hi = max(bucket.lo, at), min(bucket.hi, at + view.numel())
+        if lo < hi:
+            bucket.shard[lo - bucket.lo:hi - bucket.lo].copy_(view[lo - at:hi - at])
+
+
 class ShardedState(Strategy):
     """The ZeRO stage 1 or 2 strategy of `engine` (a GradSync)."""
 
@@ -106,10 +156,11 @@ class ShardedState(Strategy):
     def reduce(self, bucket: Bucket) -> None:
         if self.stage == 1:
             bind_bucket(bucket)
-            send = bucket.flat
+            reduce_into_shard(self.engine, bucket.flat, bucket)
+        elif unpacked(self.engine, bucket):
+            allreduce_into_shard(self.engine, bucket, self.pack_buffer())
         else:
-            send = pack(bucket, self.pack_buffer())
-        reduce_into_shard(self.engine, send, bucket)  # stage 2: `send` is freed on return
+            reduce_into_shard(self.engine, pack(bucket, self.pack_buffer()), bucket)  # the packed copy is freed
 
     def pack_buffer(self) -> Any:
         """The one buffer a multi-parameter bucket's gradients are packed into (allocated on first use)."""

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 from ..base.errors import CommError
 from .buckets import Bucket, Strategy, flatten_params, pack, sharded_bucket
-from .zero import reduce_into_shard
+from .zero import allreduce_into_shard, reduce_into_shard, unpacked
 
 CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
 
@@ -146,8 +146,7 @@ class ShardedParams(Strategy):
             bucket.unit = Unit(bucket, module, module is self.module)
             self.units.append(bucket.unit)
             buckets.append(bucket)
-        for unit in self.units:
-            self._release(unit)
+            self._release(bucket.unit)  # before the next unit: never more than one unit whole beside the model
         return buckets
 
     def start(self) -> None:
@@ -271,8 +270,11 @@ class ShardedParams(Strategy):
         flat = bucket.param_flat
         if self.engine.comm.size > 1 and flat.untyped_storage().nbytes() == 0:  # never gathered this step
             flat.untyped_storage().resize_(bucket.numel * flat.element_size())
-        send = pack(bucket, flat if self.engine.comm.size > 1 else flat.new_empty(bucket.numel))
-        reduce_into_shard(self.engine, send, bucket)
+        buffer = flat if self.engine.comm.size > 1 else flat.new_empty(bucket.numel)
+        if unpacked(self.engine, bucket):  # large gradients summed in their own memory, no packed copy
+            allreduce_into_shard(self.engine, bucket, buffer)
+        else:
+            reduce_into_shard(self.engine, pack(bucket, buffer), bucket)
         if self.engine.comm.size > 1:
             self._release(bucket.unit)
 
