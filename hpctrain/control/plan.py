@@ -3,8 +3,9 @@ and the line `train` logs at start-up and checks its measured peak against).
 
 Per rank, the largest one, counted as the run holds them between two steps (what `hpctrain bench train` and
 `train`'s summary measure), from the model's real buckets (built on the meta device: no memory):
-- parameters: 4 bytes x P at stages 0-2, this rank's slices at stage 3 (plus, during a step, the units it
-  gathers: `gathered`, the root unit and the two largest others, one being prefetched);
+- parameters: 4 bytes x P at stages 0-2, this rank's slices at stage 3 (plus, during a step, `gathered`: the
+  units it gathers, the root unit and the two largest others, one being prefetched, and the gradients of the
+  unit being reduced, whole until they are summed);
 - gradients: 4P at stage 0; 4P plus the reduced slice at stage 1; the reduced slice and the one buffer a
   bucket is packed into while it is sent at stage 2; the reduced slice at stage 3 (a unit's gradients are
   packed into its gathered parameter memory);
@@ -142,10 +143,11 @@ def plan(model: Any, *, world: int, zero: int, optimizer: str, activations: int,
     steps = 4 * segments if optimizer in ("adam", "adamw") else 0
     state = per_element * (owned if zero else total) + steps
     gathered = 0
-    if zero == 3 and world > 1:  # the root unit throughout a step, and two others (one prefetched)
+    if zero == 3 and world > 1:  # the root unit throughout a step, two others (one prefetched), and the
+        # gradients of the unit being reduced, whole until they are summed
         root = sum(n for n, (_, module) in zip(numels, units) if module is model)
         others = sorted((n for n, (_, module) in zip(numels, units) if module is not model), reverse=True)
-        gathered = (root + sum(others[:2])) * size
+        gathered = (root + sum(others[:2]) + max(numels)) * size
     act = activations if precision == "fp32" else activations // 2 + 2 * total
     return Plan(zero, world, params, grads, state, gathered, act, total * size,
                 runtime if runtime is not None else runtime_bytes(),
