@@ -207,8 +207,8 @@ SPACE: dict[str, Drawn | Excluded] = {
     "warmup": Drawn("0, 3, 20 steps", lambda d: d.pick(0, 0, 0, 3, 20)),
     "clip_grad": Drawn("0 (none), 0.5, 2", lambda d: d.pick(0.0, 0.0, 0.5, 2.0)),
     "shuffle": Drawn("on, off", lambda d: d.rng.random() < 0.7),
-    "zero": Drawn("0, 1, 2", lambda d: d.pick(0, 0, 0, 1, 2)),
-    "zero_reduce": Drawn("with --zero 1/2: auto, reduce-scatter-block, reduce-scatter, allreduce",
+    "zero": Drawn("0, 1, 2, 3", lambda d: d.pick(0, 0, 0, 1, 2, 3)),
+    "zero_reduce": Drawn("with --zero 1-3: auto, reduce-scatter-block, reduce-scatter, allreduce",
                          lambda d: d.pick(None, "reduce-scatter-block", "reduce-scatter", "allreduce")
                          if d.opts["zero"] else None),
     "grad_compression": Drawn("none, fp16, bf16, powersgd, powersgd:2, topk, topk:0.1 (16-bit only with --zero)",
@@ -263,12 +263,13 @@ def _set(**values: Any) -> Callable[[Draft], None]:
 
 
 def _zero_compressed(d: Draft) -> None:
-    d.opts.update(zero=d.pick(1, 2), grad_compression=d.pick("powersgd", "topk:0.1"), hierarchical=False)
+    d.opts.update(zero=d.pick(1, 2, 3), grad_compression=d.pick("powersgd", "topk:0.1"), hierarchical=False)
 
 
 def _zero_hierarchical(d: Draft) -> None:
     wire = d.opts["grad_compression"]
-    d.opts.update(zero=d.pick(1, 2), hierarchical=True, grad_compression=wire if wire in ("none", "fp16", "bf16") else "none")
+    d.opts.update(zero=d.pick(1, 2, 3), hierarchical=True,
+                  grad_compression=wire if wire in ("none", "fp16", "bf16") else "none")
 
 
 REFUSALS: dict[str, Refusal] = {
@@ -305,7 +306,7 @@ def _comparable(**more: Any) -> Callable[[dict], None]:
 
 
 def _other_stage(rng: random.Random, o: dict) -> dict:
-    stage = rng.choice([s for s in (0, 1, 2) if s != o["zero"]])
+    stage = rng.choice([s for s in (0, 1, 2, 3) if s != o["zero"]])
     return dict(o, zero=stage, zero_reduce=o["zero_reduce"] if stage else None)
 
 
