@@ -231,3 +231,42 @@ def test_the_line_up_finds_ranks_in_different_collectives_and_agreement() -> Non
     found = line_up(2, {0: dump(0, [row(s, 0) for s in range(5, 9)] + [row(9, 0, ended=False)], 2),
                         1: dump(1, [row(s, 0) for s in range(2, 9)], 2)}, {})
     assert found["seq"] == 9 and found["missing"] == [1]
+
+
+# -- the watchdog's dumps ----------------------------------------------------------------------------------------
+
+
+def test_a_stop_signal_that_finds_the_rank_in_a_wait_dumps_its_flight_record(tmp_path) -> None:
+    """A forced stop: the main thread, blocked in MPI, cannot run the signal's handler, yet the watchdog thread
+    learns of the signal (the wakeup fd) and dumps the ring while the rank is still in the wait."""
+    import os
+    import signal
+    import time
+
+    from hpctrain.base.stop import FLAG
+    from hpctrain.control.watchdog import Watchdog
+    from hpctrain.trace.flight import RECORDER
+
+    installed = FLAG.install()
+    aborted: list[int] = []
+    dog = Watchdog(None, 0, 2, timeout=60, abort=aborted.append, interval=0.1).start()
+    try:
+        (tmp_path / "logs").mkdir()
+        dog.attach(tmp_path)
+        seq = RECORDER.begin("allreduce", 0, "float32", nbytes=64)
+        dog.phase("gradient allreduce", 7)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        path = tmp_path / "logs" / "rank-0000.flight.json"
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        doc = json.loads(path.read_text())
+        assert doc["reason"].startswith("SIGUSR2 while in gradient allreduce at step 7"), doc["reason"]
+        assert doc["records"][-1][0] == seq and doc["records"][-1][FIELDS.index("end")] == 0.0 and aborted == []
+    finally:
+        RECORDER.end(seq)
+        dog.close()
+        if installed:
+            FLAG.restore()
+        FLAG.signum = None
+        RECORDER.configure(0, None)
