@@ -11,7 +11,9 @@ the timeout, reads the other ranks' heartbeats to say which ranks it is waiting 
 or stuck), logs that on stderr and in the rank's log, and aborts the whole job through MPI. The run
 directory is on a filesystem every rank sees, as on any cluster.
 
-Before it aborts, and whenever a wait has taken half its budget (so that every rank stuck in the same
+The thread also notices when its own process did not run for a while (stopped, or starved of CPU: its sleep
+took seconds longer than asked), and says so in the heartbeat and the flight record. Before it aborts, and
+whenever a wait has taken half its budget (so that every rank stuck in the same
 collective has dumped by the time the first one fires), the thread dumps the flight recorder of
 collectives (RUN/logs/rank-NNNN.flight.json); rank 0 lines up the dumps it finds in its abort message. A
 stop signal (SIGTERM, SIGUSR2) that finds the rank inside a wait dumps it too: the main thread, blocked in
@@ -141,7 +143,7 @@ class Watchdog:
             return
         write_text(self.dir / f"rank-{self.rank:04d}.heartbeat",
                    json.dumps({"rank": self.rank, "step": self._step, "phase": self._phase, "since": self._since,
-                               "time": time.time(), "pid": os.getpid()}))
+                               "time": time.time(), "pid": os.getpid(), "frozen_s": RECORDER.frozen_s}))
 
     def _others(self, now: float) -> list[str]:
         """Who this rank is waiting for: ranks behind it, or silent for longer than a few beats."""
@@ -199,8 +201,11 @@ class Watchdog:
             RECORDER.dump(reason)
 
     def _run(self) -> None:
-        next_look = 0.0
+        next_look, last = 0.0, time.monotonic()
         while self._sleep():
+            gap, last = time.monotonic() - last - self.interval, time.monotonic()
+            if gap > max(3 * self.interval, 2.0):  # this process did not run: stopped (SIGSTOP) or starved of CPU
+                RECORDER.frozen_s = max(RECORDER.frozen_s, gap)
             try:
                 self._beat()
             except OSError:

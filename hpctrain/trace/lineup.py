@@ -6,7 +6,9 @@ reads them.
 Every rank enters the collectives of the job in the same order and numbers them as it enters (`flight`), so
 sequence number s is the same collective on every rank. Walking s up from the oldest record every rank
 still holds, the first s that is not finished on every rank, or that some rank never entered, or that is
-another operation on another rank, is where the job stopped agreeing.
+another operation on another rank, is where the job stopped agreeing. A rank that was stopped (SIGSTOP) and
+continued by mpirun's teardown (SIGCONT, then SIGTERM) dumps too, but late and looking innocent: its watchdog
+noticed that the process did not run (`frozen_s`), and that is named.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+FROZEN_S = 2.0  # a rank whose watchdog saw its own process not run this long is named (stopped, starved)
 
 
 def read_dumps(logs: Path, world: int | None = None) -> tuple[dict[int, dict], dict[int, dict], int]:
@@ -57,9 +61,15 @@ def line_up(world: int, dumps: dict[int, dict[str, Any]], beats: dict[int, dict[
                   default=max((float(b.get("time", 0.0)) for b in beats.values()), default=0.0))
     have = sorted(r for r in dumps if r < world)
     no_record = [r for r in range(world) if r not in dumps]
+    frozen = {r: s for r in range(world)
+              if (s := max(float((dumps.get(r) or {}).get("frozen_s") or 0), float((beats.get(r) or {}).get("frozen_s") or 0)))
+              >= FROZEN_S}
     out: dict[str, Any] = {"seq": None, "collective": None, "finished": [], "waiting": [], "missing": [],
-                           "no_record": no_record, "reasons": {r: dumps[r].get("reason") for r in have}}
-    notes = [_silence(r, beats.get(r), now) for r in no_record]
+                           "no_record": no_record, "frozen": sorted(frozen),
+                           "reasons": {r: dumps[r].get("reason") for r in have}}
+    notes = [f"rank {r} did not run for {s:.0f} s (stopped, or starved of CPU): the others waited for it"
+             for r, s in sorted(frozen.items())]
+    notes += [_silence(r, beats.get(r), now) for r in no_record]
     if not have:
         out["text"] = "no rank left a flight record" + (": " + "; ".join(notes) if notes else "")
         return out
