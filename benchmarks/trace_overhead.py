@@ -160,10 +160,10 @@ def sizes(work: Path) -> dict:
         "reference MLP, 4 ranks, --trace 3:52 (50 steps)": (ref, ["--model", "mlp:2048,2048", "--batch-size", "64",
                                                                    "--max-steps", "55", "--trace", "3:52"]),
         "mlp:16, 4 ranks, 10,000 steps, --trace every:10": (tiny, ["--model", "mlp:16", "--batch-size", "4",
-                                                                   "--epochs", "100", "--max-steps", "10000",
+                                                                   "--epochs", "200", "--max-steps", "10000",
                                                                    "--trace", "every:10"]),
         "mlp:16, 4 ranks, 10,000 steps, --trace last:1000": (tiny, ["--model", "mlp:16", "--batch-size", "4",
-                                                                    "--epochs", "100", "--max-steps", "10000",
+                                                                    "--epochs", "200", "--max-steps", "10000",
                                                                     "--trace", "last:1000"]),
     }
     for i, (name, (data, extra)) in enumerate(runs.items()):

@@ -143,7 +143,8 @@ class Watchdog:
             return
         write_text(self.dir / f"rank-{self.rank:04d}.heartbeat",
                    json.dumps({"rank": self.rank, "step": self._step, "phase": self._phase, "since": self._since,
-                               "time": time.time(), "pid": os.getpid(), "frozen_s": RECORDER.frozen_s}))
+                               "time": time.time(), "pid": os.getpid(), "frozen_s": RECORDER.frozen_s,
+                               "frozen_until": RECORDER.frozen_until}))
 
     def _others(self, now: float) -> list[str]:
         """Who this rank is waiting for: ranks behind it, or silent for longer than a few beats."""
@@ -205,7 +206,7 @@ class Watchdog:
         while self._sleep():
             gap, last = time.monotonic() - last - self.interval, time.monotonic()
             if gap > max(3 * self.interval, 2.0):  # this process did not run: stopped (SIGSTOP) or starved of CPU
-                RECORDER.frozen_s = max(RECORDER.frozen_s, gap)
+                RECORDER.frozen_s, RECORDER.frozen_until = gap, time.time()
             try:
                 self._beat()
             except OSError:

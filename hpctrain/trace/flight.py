@@ -55,7 +55,8 @@ class FlightRecorder:
         self.rank, self.world = 0, 1
         self.path: Path | None = None  # where `dump` writes; None: nowhere yet
         self.hang: tuple[int, int] | None = None  # test hook: (step, bucket) this rank never enters
-        self.frozen_s = 0.0  # the longest time this process did not run (stopped, starved), as the watchdog saw it
+        self.frozen_s = self.frozen_until = 0.0  # the last time this process did not run (stopped, starved): how long,
+        # and until when (time.time()), as its watchdog saw it
         self.dumpers: list[Callable[[str], None]] = []  # what else writes its state beside a dump (the timeline)
 
     # -- the hot path ---------------------------------------------------------------------------------------
@@ -103,7 +104,8 @@ class FlightRecorder:
 
     def configure(self, rank: int, path: Path | None, world: int = 1) -> None:
         """This process is rank `rank` of `world`; `dump` writes to `path`."""
-        self.rank, self.path, self.world, self.frozen_s = rank, path, world, 0.0
+        self.rank, self.path, self.world = rank, path, world
+        self.frozen_s = self.frozen_until = 0.0
 
     def dump(self, reason: str) -> Path | None:
         """Write the ring (and what `dumpers` hold) beside the run; never raises. The path, or None."""
@@ -116,7 +118,7 @@ class FlightRecorder:
             return None
         doc = {"rank": self.rank, "world": self.world, "pid": os.getpid(), "host": socket.gethostname(), "reason": reason,
                "time": time.time(), "clock": time.perf_counter(), "capacity": self.capacity, "entered": self.entered,
-               "frozen_s": self.frozen_s,
+               "frozen_s": self.frozen_s, "frozen_until": self.frozen_until,
                "fields": FIELDS, "records": self.rows(), "threads": thread_names()}
         try:
             write_text(self.path, json.dumps(doc))

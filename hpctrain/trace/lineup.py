@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-FROZEN_S = 2.0  # a rank whose watchdog saw its own process not run this long is named (stopped, starved)
+FROZEN_S = 2.0  # a rank whose watchdog saw its own process not run this long is named (stopped, starved) ...
+RECENT_S = 10.0  # ... when that ended this close to its dump or last beat (a stall long before says nothing)
 
 
 def read_dumps(logs: Path, world: int | None = None) -> tuple[dict[int, dict], dict[int, dict], int]:
@@ -61,9 +62,7 @@ def line_up(world: int, dumps: dict[int, dict[str, Any]], beats: dict[int, dict[
                   default=max((float(b.get("time", 0.0)) for b in beats.values()), default=0.0))
     have = sorted(r for r in dumps if r < world)
     no_record = [r for r in range(world) if r not in dumps]
-    frozen = {r: s for r in range(world)
-              if (s := max(float((dumps.get(r) or {}).get("frozen_s") or 0), float((beats.get(r) or {}).get("frozen_s") or 0)))
-              >= FROZEN_S}
+    frozen = {r: s for r in range(world) if (s := _frozen(dumps.get(r), beats.get(r))) >= FROZEN_S}
     out: dict[str, Any] = {"seq": None, "collective": None, "finished": [], "waiting": [], "missing": [],
                            "no_record": no_record, "frozen": sorted(frozen),
                            "reasons": {r: dumps[r].get("reason") for r in have}}
@@ -122,3 +121,12 @@ def _silence(rank: int, beat: dict[str, Any] | None, now: float) -> str:
              else "its heartbeat was still beating: alive, it did not dump")
     return (f"rank {rank} left no flight record ({state}; last at step {beat.get('step')}, "
             f"{beat.get('phase') or 'computing'})")
+
+
+def _frozen(dump: dict[str, Any] | None, beat: dict[str, Any] | None) -> float:
+    """How long a rank's watchdog saw its process not run just before the rank's last word (its dump, else its
+    heartbeat): stopped and continued by the teardown, or starved; 0 for a stall long before."""
+    for doc in (dump, beat):
+        if doc and float(doc.get("time", 0)) - float(doc.get("frozen_until") or 0) <= RECENT_S:
+            return float(doc.get("frozen_s") or 0)
+    return 0.0

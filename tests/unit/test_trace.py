@@ -277,8 +277,10 @@ def test_a_rank_that_did_not_run_is_named_even_when_it_dumped_late() -> None:
     finished; what its watchdog saw (its process did not run for 7 s) names it."""
     finished = [row(s, 0) for s in range(5)]
     late = dump(1, finished, world=3)
-    late["frozen_s"] = 7.2
+    late.update(frozen_s=7.2, frozen_until=999.0)  # it dumped a second after it ran again
     dumps = {0: dump(0, finished[:4] + [row(4, 0, ended=False)]), 1: late, 2: dump(2, finished[:4] + [row(4, 0, ended=False)])}
     found = line_up(3, dumps, {})
     assert found["frozen"] == [1] and found["waiting"] == [0, 2]
     assert "rank 1 did not run for 7 s (stopped, or starved of CPU): the others waited for it" in found["text"]
+    late["frozen_until"] = 900.0  # a stall long before the hang says nothing about it
+    assert line_up(3, dumps, {})["frozen"] == []
