@@ -66,14 +66,16 @@ def _timeline_lines(docs: list[dict[str, Any]], found: dict[str, Any], trace_jso
              f"to {clock['offset_max_us']:.1f} us, each measured within {clock['error_max_us']:.1f} us, drift "
              f"{clock['drift_max_us']:.1f} us. Open `{trace_json}` in https://ui.perfetto.dev.", "",
              f"![Phase times and arrival skew]({STRAGGLER_PNG})", "",
-             "| rank | " + " | ".join(f"{p} ms" for p in _SHOWN) + " | made others wait ms/step | last to arrive |",
-             "|---:|" + "---:|" * (len(_SHOWN) + 2)]
+             "| rank | " + " | ".join(f"{p} ms" for p in _SHOWN) + " | made others wait ms/step | in | last to arrive |",
+             "|---:|" + "---:|" * (len(_SHOWN) + 1) + "---|---:|"]
     waits = found["made_others_wait_ms_per_step"]
     order = sorted(range(len(docs)), key=lambda r: -waits[r])[:10]
     for r in sorted(order):
         phases = found["phase_ms"][r]
+        by_phase = found["made_others_wait_by_phase_ms_per_step"][r]
+        where = ", ".join(f"{p} {ms:.2f}" for p, ms in sorted(by_phase.items(), key=lambda kv: -kv[1]) if ms >= 0.01)
         lines.append(f"| {docs[r]['rank']} | " + " | ".join(f"{phases[p]:.2f}" for p in _SHOWN)
-                     + f" | {waits[r]:.2f} | {found['last_arrivals'][r]} |")
+                     + f" | {waits[r]:.2f} | {where} | {found['last_arrivals'][r]} |")
     return lines + [""]
 
 

@@ -172,4 +172,6 @@ def brief(found: dict[str, Any]) -> dict[str, Any]:
     top = sorted(range(len(waits)), key=lambda r: -waits[r])[:5]
     keep = {k: v for k, v in found.items() if not isinstance(v, list)}
     keep["made_others_wait_ms_per_step"] = {str(r): waits[r] for r in top}
+    keep["made_others_wait_by_phase_ms_per_step"] = {str(r): found["made_others_wait_by_phase_ms_per_step"][r]
+                                                     for r in top if waits[r] > 0}
     return keep

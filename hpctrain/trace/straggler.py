@@ -8,8 +8,9 @@ others waited for it (the median of their waits). The wait is the last rank's do
 the phases of that step in which the last rank was slower than the median of the other ranks, in
 proportion to how much slower.
 
-Phase times are each rank's median over the steps. A rank is named the straggler when it caused most of
-the waiting (a share of at least 1/2 + 1/(2W): 3/4 of two ranks, 5/8 of four, more than half of many) and
+Phase times are each rank's median over the steps. A rank is named the straggler when it made the others
+wait the longest in most steps (at least 1/2 + 1/(2W) of them: 3/4 with two ranks, 5/8 with four, more than
+half with many; on a busy node every rank is late now and then, a straggler is late step after step) and
 that waiting is not noise (at least `MIN_EFFECT` of the median step, and `MIN_WAIT_S`); the phase named is
 the one where it is furthest behind the median of the other ranks, if that explains a quarter of the
 waiting at least. Only collectives whose arrivals can show a straggler count (`comparable`: not a root's
@@ -96,6 +97,7 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     times = [phase_times(d) for d in docs]
     steps = sorted(set.intersection(*(set(t) for t in times))) if times else []
     made, last_n = [0.0] * world, [0] * world
+    by_step: dict[int, list[float]] = {}  # per step, what each rank made the others wait
     made_phase = [{p: 0.0 for p in BLAMED} for _ in range(world)]
     skews = []
     for c in colls:
@@ -107,6 +109,7 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
         caused = _median_others([arrive[last] - t for t in arrive], last)
         made[last] += caused
         last_n[last] += 1
+        by_step.setdefault(c["step"], [0.0] * world)[last] += caused
         if c["step"] in times[last]:
             behind = {p: times[last][c["step"]][p] - _median_others([t.get(c["step"], {}).get(p, 0.0) for t in times], last)
                       for p in BLAMED}
@@ -131,9 +134,11 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
         out["verdict"] = "no straggler" if world > 1 else "no straggler (one rank)"
         return out
     worst = max(range(world), key=made.__getitem__)
-    share, per_step = made[worst] / sum(made), made[worst] / n
-    out.update(share=share)
-    if share < 0.5 + 0.5 / world or per_step < max(MIN_EFFECT * step_s, MIN_WAIT_S):
+    per_step = made[worst] / n
+    # in how many steps it made the others wait the most: a straggler does so step after step, noise does not
+    first = sum(max(range(world), key=waits.__getitem__) == worst for waits in by_step.values()) / len(by_step)
+    out.update(share=made[worst] / sum(made), most_waiting_steps=first)
+    if first < 0.5 + 0.5 / world or per_step < max(MIN_EFFECT * step_s, MIN_WAIT_S):
         return out
     phase = max(BLAMED, key=lambda p: mean[worst][p] - _median_others([m[p] for m in mean], worst))
     mine, theirs = mean[worst][phase], _median_others([m[phase] for m in mean], worst)
