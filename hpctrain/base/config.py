@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from .errors import ConfigError, one_of
 from .sections import TRAIN_SECTIONS
+from .window import parse_window
 
 S = TypeVar("S")
 HDF5_COMPRESSIONS = ("none", "lzf", "gzip")
@@ -60,7 +61,7 @@ SHARD_SECTIONS: dict[str, tuple[str, ...]] = {
 SECTION_TITLES = {"run": "Run", "data": "Data", "model": "Model", "optimizer": "Optimizer and schedule",
                   "communication": "Communication", "zero": "Memory (ZeRO)", "precision": "Precision",
                   "checkpoint": "Checkpoint and resume", "watchdog": "Watchdog", "logging": "Logging",
-                  "output": "Source and output", "storage": "Storage", "images": "Images", "text": "Text"}
+                  "trace": "Timeline", "output": "Source and output", "storage": "Storage", "images": "Images", "text": "Text"}
 
 
 def section_of(sections: dict[str, tuple[str, ...]]) -> dict[str, str]:
@@ -296,6 +297,11 @@ class TrainConfig:
     """Print the summary as one JSON object."""
     progress: bool = True
     """Show a progress bar on rank 0 when the output is a terminal."""
+    trace: str | None = None
+    """Record a timeline of every rank over a window of steps: A:B (steps A to B), last:N (the run's last N
+    steps) or every:N (one step in N, the last 100 kept); at most 1,000 steps. Each rank writes
+    RUN/trace/rank-NNNN.json; the end of the run merges them into RUN/trace.json (open it in ui.perfetto.dev)
+    and names a straggler in summary.json. Off by default; the flight recorder of collectives is always on."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys from a config file that no flag has (kept in the resolved config)."""
 
@@ -354,6 +360,8 @@ class TrainConfig:
                               "or drop --keep-staged")
         if not self.resume:
             raise ConfigError("--resume '' is empty: use auto, never, or a checkpoint directory")
+        if self.trace is not None:
+            parse_window(self.trace)
 
     @staticmethod
     def upgrade(values: dict[str, Any]) -> dict[str, Any]:

@@ -95,6 +95,7 @@ def train(
     optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw; lr 0.01.")] = "sgd",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
     collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
+    trace: Annotated[Optional[str], typer.Option(help="A directory: record every rank's timeline of the phases pass (--steps steps) into DIR/trace.json, with the straggler verdict.", metavar="DIR")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Training step time of hpctrain against the honest limit and beside torch DDP (gloo), one-rank scaling,
@@ -114,6 +115,8 @@ def train(
     Example: hpctrain bench train -n 4 --zero 2 --optimizer adam --model mlp:8192,8192 --steps 3 --rounds 1
 
     Example: hpctrain bench train -n 2 --model gpt:layers=2,dim=128,heads=4 --seq-len 128 --batch-size 32
+
+    Example: hpctrain bench train -n 4 --baseline none --trace bench-trace
     """
     if compress is not None:
         print("note: --compress is now --grad-compression; the old spelling still works", file=sys.stderr)
@@ -127,7 +130,7 @@ def train(
         result = bench_train(comm, model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
                              rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap,
                              compress=grad_compression, device=device, zero=zero, optimizer=optimizer, seq_len=seq_len,
-                             vocab=vocab)
+                             vocab=vocab, trace=trace)
     if not is_rank0():
         return
     if json_out:
@@ -171,6 +174,9 @@ def _print_train(result: dict) -> None:
           f"communication: {result['self_world_over_plain']:.2f}x plain torch)")
     phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
     print(f"  where a step goes  {phases} (ms, slowest rank); {result['wire_bytes_per_step']:,} bytes on the wire")
+    if "trace" in result:
+        print(f"  timeline           {result['trace_dir']}/{result['trace']['file']} ({result['trace']['bytes']:,} bytes): "
+              f"{result['straggler']['verdict']}")
 
 
 @app.command()

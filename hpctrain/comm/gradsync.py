@@ -22,6 +22,7 @@ from ..base.config import parse_grad_compression
 from ..base.errors import CommError, ConfigError
 from ..base.hostmem import reuse_freed_memory
 from ..base.threads import join_logged
+from ..trace.flight import RECORDER
 from . import compress as compression
 from .buckets import Bucket, assign_buckets, bind_bucket, owned_bucket, trainable_in_backward_order
 from .wire import buffer_spec, sum_op
@@ -54,6 +55,7 @@ class GradSync:
     """
 
     EAGER = False  # reduce each bucket inline as soon as it is full even without overlap (see __init__)
+    COLLECTIVE = "allreduce"  # what the flight recorder calls a bucket's sum
     OWN_BYTES = 1 << 18  # a gradient this large is a bucket alone, reduced from its own memory
 
     def __init__(
@@ -150,6 +152,7 @@ class GradSync:
             if self.overlap:
                 with self._lock:
                     while self._launched < len(self.buckets):
+                        RECORDER.handoff(self.buckets[self._launched].index)
                         self._queue.put(self.buckets[self._launched])
                         self._launched += 1
                 for bucket in self.buckets:
@@ -288,6 +291,7 @@ class GradSync:
                     break
                 self._launched += 1
                 if self._thread is not None:
+                    RECORDER.handoff(nxt.index)
                     self._queue.put(nxt)
                 else:  # eager, inline: this thread runs backward and waits for the bucket's collective
                     self._reduce_guarded(nxt)
@@ -309,12 +313,17 @@ class GradSync:
     def _reduce_guarded(self, bucket: Bucket) -> None:
         """Reduce `bucket`, keeping the first error for wait() to raise. After an error the remaining
         buckets are still reduced: every other rank enters their collectives, and a rank that skipped them
-        would leave the others waiting forever."""
+        would leave the others waiting forever. The one hook of the flight recorder for every bucket's sum
+        (flat, hierarchical, rank-ordered, 16-bit, compressed, ZeRO's reduce-scatter): its bytes on the wire."""
+        seq = RECORDER.begin(self.COLLECTIVE, bucket.index, self.compress if self.compress != "none" else self.dtype,
+                             counter=self._wire_round)
         try:
             self._reduce(bucket)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() in the caller's thread
             if self._error is None:
                 self._error = exc
+        finally:
+            RECORDER.end(seq, self._wire_round)
 
     def _needs_staging(self) -> bool:
         """Whether device gradients go through pinned host buffers: on a GPU rank whose MPI is not CUDA-aware,

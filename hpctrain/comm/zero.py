@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 from ..base.config import ZERO_REDUCERS as REDUCERS
 from ..base.errors import ConfigError
+from ..trace.flight import RECORDER
 from .buckets import Bucket, bind_bucket, owned_bucket
 from .gradsync import GradSync
 from .wire import buffer_spec, sum_op
@@ -89,6 +90,8 @@ class ZeroSync(GradSync):
     on the segments, `gather_params()`.
     """
 
+    COLLECTIVE = "reduce-scatter"
+
     def __init__(self, params: Iterable[Any], comm: Comm, *, stage: int, bucket_mb: float = 25.0,
                  overlap: bool = True, compress: str = "none", deterministic: bool = False,
                  hierarchical: bool = False, reduce: str = "auto"):
@@ -133,10 +136,12 @@ class ZeroSync(GradSync):
         for bucket in self.buckets:
             flat = bucket.param_flat
             host = flat.cpu() if flat.is_cuda and self._staging else flat
+            seq = RECORDER.begin("allgather", bucket.index, self.dtype, nbytes=host.numel() * host.element_size())
             if len(set(bucket.counts)) == 1:
                 self.comm.mpi.Allgather(MPI.IN_PLACE, buffer_spec(host, MPI))
             else:
                 self.comm.mpi.Allgatherv(MPI.IN_PLACE, _vspec(host, bucket.counts, MPI))
+            RECORDER.end(seq)
             if host is not flat:
                 flat.copy_(host)
 

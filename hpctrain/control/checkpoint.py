@@ -37,6 +37,7 @@ from typing import Any
 
 from ..base.durable import FAULTS, human_bytes, sha256_file
 from ..base.errors import CheckpointError, HpctrainError, StorageError, brief, describe
+from ..trace.spans import TRACER
 from .ckptformat import (MARKER, RANKS, STATE, assign_writers, decode_json, discard, expected_files, join_tensors,
                          layout_digest, meta_digest, part_name, read_part, split_tensors, to_host)
 from .ckptwriter import AsyncWriter
@@ -309,6 +310,7 @@ class CheckpointManager:
             self._writer.finish()
             self._writer.join()
         stall = time.perf_counter() - start
+        TRACER.span("checkpoint stall", start, start + stall, step=step)
         self.stall_seconds += stall
         if self.asynchronous and not wait:
             self.async_stalls.append(stall)

@@ -19,6 +19,7 @@ from ..comm import Comm, GradSync, ShardedOptimizer, ZeroSync
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..base.rankenv import RankEnv
+from ..trace.spans import TRACER
 from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 
@@ -104,25 +105,29 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
 
 
 class _Clock:
-    """Seconds per phase of a step, summed into `phases` (nothing at all when it is None); the time inside
-    the gradient hooks is taken out of backward and counted as `hooks`."""
+    """Seconds per phase of a step, summed into `phases` (the time inside the gradient hooks taken out of
+    backward and counted as `hooks`), and each phase a span of the timeline when it records this step;
+    nothing at all when neither is asked for."""
 
     def __init__(self, phases: dict[str, float] | None, sync: GradSync):
-        self.phases, self.sync = phases, sync
-        if phases is not None:
+        self.phases, self.sync, self.on = phases, sync, phases is not None or TRACER.active
+        if self.on:
             self.hooks = sync.hook_seconds
             self.last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
-        if self.phases is None:
+        if not self.on:
             return
         now = time.perf_counter()
-        spent = now - self.last
-        if phase == "backward":
-            hooks, self.hooks = self.sync.hook_seconds - self.hooks, self.sync.hook_seconds
-            self.phases["hooks"] = self.phases.get("hooks", 0.0) + hooks
-            spent -= hooks
-        self.phases[phase] = self.phases.get(phase, 0.0) + spent
+        if TRACER.active:
+            TRACER.span(phase, self.last, now)
+        if self.phases is not None:
+            spent = now - self.last
+            if phase == "backward":
+                hooks, self.hooks = self.sync.hook_seconds - self.hooks, self.sync.hook_seconds
+                self.phases["hooks"] = self.phases.get("hooks", 0.0) + hooks
+                spent -= hooks
+            self.phases[phase] = self.phases.get(phase, 0.0) + spent
         self.last = now
 
 
@@ -178,6 +183,7 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
     rank's own work."""
     import torch
 
+    started = time.perf_counter()
     model.eval()
     loss_sum = correct = n = 0.0
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
@@ -196,6 +202,7 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
             correct += float((out.argmax(1) == y).sum())
             n += y.numel()
     model.train()
+    TRACER.span("validation", started, time.perf_counter())
     if watchdog is not None:
         watchdog.phase("validation reduction", step)
     loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])

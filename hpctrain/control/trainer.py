@@ -41,7 +41,8 @@ from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
 from .precision import LossScaler
 from .step import auto_overlap, evaluate, lr_factor, make_sync, param_sha256, train_step
-from .watchdog import Watchdog
+from .tracing import Timeline
+from .watchdog import Watchdog, end_job
 
 
 class StopRequested(HpctrainError):
@@ -84,7 +85,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     finally:
         cancel_deadline()
     if comm is not None and comm.size > 1 and not error.agreed:
-        _end_job(comm, error)
+        end_job(comm, error)
     raise error
 
 
@@ -97,18 +98,6 @@ def _agree_at_start_up(comm: Comm, error: HpctrainError | None, step: int) -> No
         error = StopRequested(f"stopped by {name} during start-up, before step {step + 1}: nothing new to save; "
                               "run the same command to continue")
     comm.agree(error)
-
-
-def _end_job(comm: Comm, error: HpctrainError) -> None:
-    """This rank failed alone (a corrupt chunk in its shard, a failed allreduce, a full disk): the others
-    are already on their way into the next collective and would wait for it forever. Say why here, on
-    this rank's stderr and log, then end every rank of the job (MPI_Abort) with the error's exit code."""
-    text = str(error).replace("\n", " ")
-    if not text.startswith(f"rank {comm.rank}"):
-        text = f"rank {comm.rank}: {text}"
-    logging.getLogger(f"hpctrain.rank{comm.rank}").error("%s; ending the job", text)
-    print(f"error: {text}; ending the job (the other ranks would wait for this one)", file=sys.stderr, flush=True)
-    comm.abort(error.exit_code)
 
 
 def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitStack) -> dict[str, Any]:
@@ -125,6 +114,8 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     cancel_deadline()  # MPI is up and the watchdog watches from here
     shardset, model, device, resume_path, warnings, plan = _check_inputs(cfg, comm, env, watchdog)
     log = _open_run_dir(cfg, comm, env, device, watchdog, stack, warnings)
+    timeline = Timeline(cfg.run_dir, cfg.trace, comm, env=env, watchdog=watchdog)  # --trace, and the test hooks
+    stack.callback(timeline.abandon)
     staged = staging.Staged()
     if plan is not None:  # --stage-to: this rank's files copied to node-local disk, read there, removed on any exit
         watchdog.phase("staging the shards (every rank copies its own)", 0, budget=cfg.checkpoint_timeout)
@@ -133,7 +124,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     _share_initial_weights(cfg, comm, model, device, watchdog)
     start = _resume_point(cfg, comm, shardset, resume_path, watchdog)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
-    run.staged = staged
+    run.staged, run.timeline = staged, timeline
     audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg.run_dir, cfg.audit_samples, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up agreement", start.step)
@@ -183,6 +174,7 @@ class Run:
     scaler: LossScaler | None  # fp16's loss scale
     audit_frozen: dict[str, int] = field(default_factory=dict)  # audit files of ranks beyond this world size
     staged: staging.Staged = field(default_factory=staging.Staged)  # what --stage-to copied
+    timeline: Timeline | None = None  # --trace
 
 
 @dataclass(slots=True)
@@ -375,7 +367,7 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
         in_epoch = start.in_epoch if first else 0
         done_before = start.prior if first else []
         run.model.train()
-        batches = reader.epoch(epoch, in_epoch)
+        batches = run.timeline.batches(reader.epoch(epoch, in_epoch), out.step)  # each step marked on the timeline
         t_data = time.perf_counter()
         for batch in batches:
             t0 = time.perf_counter()
@@ -463,6 +455,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step, precision=cfg.precision)
         out.last_val.update(run.rates.validation(out.last_val))
     digest = param_sha256(run.model)
+    traced = run.timeline.close()  # with --trace: RUN/trace.json and the straggler verdict (rank 0)
     watchdog.phase("summary reductions", step)
     hashes = comm.allgather(digest)
     e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
@@ -481,7 +474,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "zero": cfg.zero, "zero_reduce": getattr(run.sync, "reduce", None),
         "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
         "torch_threads": torch.get_num_threads(), **run.rates.summary(samples_per_s or 0.0, out.last_val),
-        "checkpoint": m.summary(cfg.checkpoint_every == "auto", train_time),
+        "checkpoint": m.summary(cfg.checkpoint_every == "auto", train_time), **traced,
     }
     if comm.rank == 0:
         path = cfg.run_dir / "model.pt"

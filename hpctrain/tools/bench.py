@@ -25,6 +25,7 @@ import numpy as np
 from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
+from ..control.tracing import Timeline
 from .benchlimit import handwritten_step, limit_figures, plain_torch_step
 from .benchwatch import progress
 
@@ -92,12 +93,11 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
                 batch_size: int = 64, steps: int = 30, rounds: int = 3, bucket_mb: float = 25.0,
                 baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none",
                 device: str = "cpu", zero: int = 0, optimizer: str = "sgd", seq_len: int = 128,
-                vocab: int = 257) -> dict[str, Any]:
+                vocab: int = 257, trace: str | None = None) -> dict[str, Any]:
     """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling, and the
     memory each rank holds. With `zero` 1 or 2 the step runs at that ZeRO stage and is timed beside stage 0
     (built after the memory of the sharded step has been read, so that the peak RSS is the sharded run's).
-    A language model spec (`gpt[:...]`) takes rows of `seq_len` random tokens below `vocab` instead of
-    `input_dim` features and `classes` labels (see `_workload`)."""
+    A language model spec (`gpt[:...]`) takes rows of `seq_len` random tokens (`_workload`). `trace`: see `_phases`."""
     import torch
 
     from ..control.step import train_step
@@ -132,7 +132,6 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         hp_step()  # the optimizer state exists from the first step on
     memory = _memory(comm, model, sync, opt)
     lm = _lm_rates(comm, model, device, seq_len) if _is_lm(model_spec) else None
-    other = None
     if zero:
         other, _, stage0_sync, _ = stepper(0)
     else:
@@ -143,6 +142,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
                           rounds, warmed=comm_times.clear)
     hp_times, other_times = times["hpctrain"], times.get("other", [])
     hp_ms = statistics.median(hp_times) * 1e3
+    phases, traced = _phases(comm, hp_step, steps, hp_ms, trace)  # with trace: TRACE/trace.json, and its verdict
     result: dict[str, Any] = {
         "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
         "torch_threads": torch.get_num_threads(), "device": str(device), "staging": sync.staging,
@@ -150,7 +150,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         "memory": memory,
         "hpctrain": {"step_ms": hp_ms, "samples_per_s": batch_size * comm.size / hp_ms * 1e3,
                      "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
-        "wire_bytes_per_step": sync.wire_bytes, "phases_ms": _phases(comm, hp_step, steps, hp_ms),
+        "wire_bytes_per_step": sync.wire_bytes, "phases_ms": phases, **traced, "trace_dir": trace,
     }
     if lm is not None:  # MFU as `train` reports it: tokens/s x FLOPs per token / all ranks' peak
         result.update(lm, vocab=vocab, tokens_per_s=global_n / hp_ms * 1e3)
@@ -183,20 +183,26 @@ def _beside_stage0(result: dict[str, Any], stage0_times: list[float], sync: Any,
     return result
 
 
-def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float) -> dict[str, float]:
+def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float,
+            trace: str | None) -> tuple[dict[str, float], dict[str, Any]]:
     """Where a step's time goes (ms per step, the slowest rank's per phase): zero, forward, backward, hooks,
-    wait, optimizer, and `other` (data, Python, the rest of the step beside the timed one)."""
+    wait, optimizer, and `other` (data, Python, the rest of the step beside the timed one); with `trace` (a
+    directory), the pass on every rank's timeline, merged into TRACE/trace.json: its summary entries."""
     phases: dict[str, float] = {}
     progress("the phases of a step")
+    timeline = Timeline(trace, f"1:{steps}", comm) if trace is not None else None
     comm.barrier()
-    for _ in range(steps):
+    for i in range(steps):
         progress()
+        if timeline is not None:
+            timeline.step(i + 1)
         step(phases)
+    traced = timeline.close() if timeline is not None else {}
     names = ("zero", "forward", "backward", "hooks", "wait", "optimizer")
     values = comm.allreduce_array([phases.get(k, 0.0) / steps * 1e3 for k in names], op="max")
     out = dict(zip(names, (float(v) for v in values)))
     out["other"] = max(0.0, step_ms - sum(out.values()))
-    return out
+    return out, traced
 
 
 def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs: list[Any], ys: list[Any],

@@ -186,6 +186,12 @@ def _checkpoint_timeout(d: Draft) -> float | None:
     return d.pick(10.0, 20.0, 30.0) if d.event == "stop-rank" else d.pick(None, None, 60.0, 0.0)
 
 
+def _trace(d: Draft) -> str | None:
+    # a stream of its own, seeded by what was drawn before: drawing it from the case's stream would move the
+    # target rank and the moment of every event of the fixed sample (tests/chaos/test_chaos.py)
+    return random.Random(repr(sorted(d.opts.items(), key=str))).choice((None, None, None, "1:5", "last:3", "every:2"))
+
+
 SPACE: dict[str, Drawn | Excluded] = {
     "data": Drawn("a shard set: digits, synthetic sets with short and empty last batches, or token rows of a "
                   "few standard-library files (`text:DIR --seq-len 32`); 1-12 shards W divides; val split or none",
@@ -232,6 +238,8 @@ SPACE: dict[str, Drawn | Excluded] = {
     "audit_samples": Drawn("on, off", lambda d: d.rng.random() < 0.2),
     "init_weights": Drawn("none, or a state_dict of the case's model saved once per model and data",
                           lambda d: WEIGHTS if d.rng.random() < 0.15 else None),
+    "trace": Drawn("none, 1:5, last:3, every:2 (from the options drawn before it: the sample's events stay put)",
+                   _trace),
     "run_dir": Excluded("set by the harness: a fresh directory per case, shared by the interrupted run and its "
                         "resume"),
     "resume": Excluded("the harness's protocol: the first run starts in an empty run directory and the second "
