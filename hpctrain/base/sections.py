@@ -67,6 +67,14 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tp: int
+    pp: int
+    micro_batches: int
+    pipeline_schedule: str
+
+
+@dataclass(frozen=True, slots=True)
 class PrecisionConfig:
     precision: str
 
@@ -96,7 +104,7 @@ class LoggingConfig:
 # the section's name in a TOML file and in --help, and its class, in the order they are shown
 TRAIN_SECTION_CLASSES: dict[str, type] = {
     "run": RunConfig, "data": DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig,
-    "communication": CommConfig, "zero": ZeroConfig, "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
+    "communication": CommConfig, "zero": ZeroConfig, "parallel": ParallelConfig, "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
     "watchdog": WatchdogConfig, "logging": LoggingConfig,
 }
 TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {name: tuple(f.name for f in fields(cls))

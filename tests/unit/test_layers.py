@@ -1,6 +1,7 @@
 """The layering the README's module map promises, checked on the source: who may import whom, by package.
 
     base  <-  compute, comm  <-  data  <-  control  <-  api, tools  <-  cli
+    compute, comm  <-  parallel  <-  control (model parallelism: groups, the split GPT, the pipeline)
     base, comm  <-  horovod (Horovod's API, imported by user scripts only)
 
 Every import counts, the lazy ones inside functions included. Also: no import cycle between modules, no
@@ -24,11 +25,13 @@ MAY_IMPORT = {
     "compute": {"base", "compute"},
     "comm": {"base", "comm"},
     "data": {"base", "comm", "data"},  # the shard writer runs on every rank of `launch -n N -- shard` and gathers over comm
-    "control": {"base", "compute", "comm", "data", "control"},
-    "api": {"base", "compute", "comm", "data", "control", "api"},
+    # model parallelism: process groups and point-to-point over comm, the split GPT over compute's; control runs it
+    "parallel": {"base", "compute", "comm", "parallel"},
+    "control": {"base", "compute", "comm", "data", "parallel", "control"},
+    "api": {"base", "compute", "comm", "data", "parallel", "control", "api"},
     "horovod": {"base", "comm", "horovod"},  # Horovod's PyTorch API over the comm layer (import hpctrain.horovod)
-    "tools": {"base", "compute", "comm", "data", "control", "tools"},
-    "cli": {"base", "compute", "comm", "data", "control", "api", "tools", "cli"},
+    "tools": {"base", "compute", "comm", "data", "parallel", "control", "tools"},
+    "cli": {"base", "compute", "comm", "data", "parallel", "control", "api", "tools", "cli"},
     "__init__": {"api"},  # lazily, on first use of the library API
     "__main__": {"base", "cli"},
 }
