@@ -229,14 +229,29 @@ def layout_for(par: ParallelConfig, world: int, model: Any, model_name: str, sha
     return check_layout(world, par.tp, par.pp, model_limits(model, model_name), shardset.num_shards)
 
 
+def sample_row(shardset: Any) -> np.ndarray:
+    """A row of zeros like the data's (a language model's token ids, or a sample's features)."""
+    if shardset.task == "lm":
+        return np.zeros(shardset.seq_len, np.int64)
+    return np.zeros(shardset.x_shape, np.float32)
+
+
 def split(par: ParallelConfig, world: Comm, layout: Layout, model: Any, *, device: Any, precision: str,
-          batch_rows: int, shardset: Any, watchdog: Any = None) -> Parallel:
+          batch_rows: int, row: np.ndarray, seed: int | None = None, watchdog: Any = None) -> Parallel:
     """This rank's part of the run in `layout` (a collective of every rank): the groups, and for a split model
     its stage (the whole `model`, the same on every rank, is cut here) and pipeline, whose boundary shapes
-    are agreed now by one forward of a row of zeros like the data's."""
+    are agreed now by one forward of `row` (a row like the data's: `sample_row`).
+
+    With `seed`, the ranks of a tensor-parallel group take one random stream (dropout and the like), that of
+    the group's first rank: their replicated activations must drop the same elements. (So do the heads of
+    different ranks inside attention: alike masks, where Megatron-LM keeps a second stream for them.)"""
     if layout.plain:
         return Parallel(layout, world, world)
     groups = make_groups(world, layout)
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed * 1_000_003 + layout.rank(groups.d, 0, groups.p) + 1)
     error, stage = None, None
     try:
         stage = build_stage(model, groups)
@@ -245,8 +260,7 @@ def split(par: ParallelConfig, world: Comm, layout: Layout, model: Any, *, devic
     world.agree(error)
     stage.to(device)
     pipeline = Pipeline(stage, groups, par.pipeline_schedule, device, lambda: autocast(device, precision), watchdog)
-    lm = shardset.task == "lm"
-    pipeline.agree_shapes(np.zeros(shardset.seq_len if lm else shardset.x_shape, np.int64 if lm else np.float32))
+    pipeline.agree_shapes(row)
     micro = par.micro_batches or (min(4 * layout.pipe, batch_rows) if layout.pipe > 1 else 1)
     counted = {id(p) for key, _, p, pieces, writes in shares(stage, groups.t) if writes}
     return Parallel(layout, world, groups.data, groups, pipeline, micro, counted, _flops(model))

@@ -133,7 +133,8 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     _share_initial_weights(cfg, comm, model, device, watchdog)
     watchdog.phase("start-up: splitting the model over the ranks (--tp/--pp)", 0)
     par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device=device, precision=cfg.precision,
-                       batch_rows=cfg.batch_size * cfg.accumulate, shardset=shardset, watchdog=watchdog)
+                       batch_rows=cfg.batch_size * cfg.accumulate, row=hybrid.sample_row(shardset), seed=cfg.seed,
+                       watchdog=watchdog)
     watchdog.idle()
     start = _resume_point(cfg, comm, par.data.size, shardset, resume_path, watchdog)
     run = _build(cfg, comm, env, log, watchdog, shardset, par.model(model), device, start, stack, par)

@@ -57,6 +57,8 @@ def test_every_layout_trains_step_for_step_like_data_parallelism(layouts: Path) 
         assert _gap(_model(layouts / name), plain1) < TOLERANCE, name
     assert summary(layouts / "1-1-4")["micro_batches"] == 8  # 4 x pp, at most --batch-size
     assert 0 < _gap(_model(layouts / "2-2-2"), plain2)  # a real split: sums in another order
+    # dropout: the tensor-parallel ranks drop the same elements of their replicated activations
+    assert summary(layouts / "dropout-1-2-1")["ranks_in_sync"]
     mlp = summary(layouts / "mlp-1-1-3")
     assert mlp["layout"]["pipe"] == 3 and mlp["ranks_in_sync"]
     assert _gap(_model(layouts / "mlp-1-1-3"), _model(layouts / "mlp-1-1-1")) < TOLERANCE
@@ -70,6 +72,12 @@ def test_a_checkpoint_of_one_layout_resumes_in_another(layouts: Path) -> None:
     assert meta["layout"] == [2, 2, 1] and meta["layout_free"]
     assert meta["whole"]["tok_emb.weight"] == [[257, 32], "torch.float32"]  # 257 ids over T = 2: 129 + 128
     assert _gap(_model(layouts / "saved"), _model(layouts / "2-2-1")) < TOLERANCE
+    # and between a split run and plain data parallelism, both ways: the (2,1,1) run's model
+    for name, layout in (("plain-saved", {"data": 2, "tensor": 2, "pipe": 1}),
+                         ("to-plain", {"data": 2, "tensor": 1, "pipe": 1})):
+        s = summary(layouts / name)
+        assert s["resumed_from"] == 4 and s["steps"] == 8 and s["layout"] == layout, name
+        assert _gap(_model(layouts / name), _model(layouts / "2-1-1")) < TOLERANCE, name
 
 
 def test_an_elastic_resume_into_a_pipeline_uses_every_sample_once(layouts: Path, tokens: Path) -> None:
@@ -87,12 +95,12 @@ def test_an_elastic_resume_into_a_pipeline_uses_every_sample_once(layouts: Path,
 
 def test_a_layout_that_does_not_fit_is_refused_in_one_line_listing_those_that_do(tmp_path: Path,
                                                                                   tokens: Path) -> None:
-    proc = hpctrain(["launch", "-n", "4", "--", "train", "--data", str(tokens), "--run-dir", str(tmp_path / "r"),
-                     "--model", "gpt:layers=2,dim=32,heads=2", "--tp", "4"], check=False)
+    proc = hpctrain(["launch", "-n", "2", "--", "train", "--data", str(tokens), "--run-dir", str(tmp_path / "r"),
+                     "--model", "gpt:layers=2,dim=32,heads=2", "--tp", "2", "--pp", "2"], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr
-    assert "--tp 4 does not divide the model's 2 attention heads" in errors[0]
-    assert "--tp 1 --pp 2 (D=2)" in errors[0] and "--tp 2 --pp 2 (D=1)" in errors[0]  # D must divide 2 shards
+    assert errors[0] == ("error: --tp 2 x --pp 2 = 4 does not divide the 2 ranks: on 2 rank(s) with this model and "
+                         "data, use --tp 1 --pp 1 (D=2), --tp 1 --pp 2 (D=1), --tp 2 --pp 1 (D=1)")
     assert not (tmp_path / "r").exists()
 
 

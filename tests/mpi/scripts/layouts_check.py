@@ -36,7 +36,8 @@ def main() -> None:
     assert comm.size == 8, comm.size
     phase(comm, [(range(0, 2), "2-1-1", {}), (range(2, 3), "1-1-1", {}), (range(3, 4), "mlp-1-1-1", MLP),
                  (range(4, 8), "saved", dict(tp=2, max_steps=4, audit_samples=True))])
-    phase(comm, [(range(0, 3), "mlp-1-1-3", dict(MLP, pp=3))])
+    phase(comm, [(range(0, 3), "mlp-1-1-3", dict(MLP, pp=3)), (range(3, 5), "plain-saved", dict(max_steps=4)),
+                 (range(5, 7), "dropout-1-2-1", dict(tp=2, model="gpt:layers=2,dim=32,heads=2,dropout=0.1"))])
     phase(comm, [(range(0, 8), "2-2-2", dict(tp=2, pp=2))])
     phase(comm, [(range(0, 4), "2-2-1", dict(tp=2)), (range(4, 8), "2-1-2", dict(pp=2))])
     phase(comm, [(range(0, 4), "1-2-2", dict(tp=2, pp=2)), (range(4, 8), "1-1-4", dict(pp=4))])
@@ -44,9 +45,12 @@ def main() -> None:
     # embedding/head a bucket alone), ZeRO 1 with the rank-ordered sum under tensor parallelism
     phase(comm, [(range(0, 4), "2-1-2-zero2", dict(pp=2, zero=2, overlap=True, micro_batches=3)),
                  (range(4, 8), "2-2-1-zero1-deterministic", dict(tp=2, zero=1, deterministic=True))])
-    if comm.rank == 0:  # one checkpoint at (2,2,1), step 4, resumed in two other layouts
+    if comm.rank == 0:  # one checkpoint at (2,2,1), step 4, resumed in three other layouts
         shutil.copytree(OUT / "saved", OUT / "elastic")
+        shutil.copytree(OUT / "saved", OUT / "to-plain")
     comm.barrier()
+    # a data-parallel checkpoint resumed split, and a split one resumed by plain data parallelism
+    phase(comm, [(range(0, 4), "plain-saved", dict(tp=2)), (range(4, 6), "to-plain", {})])
     phase(comm, [(range(0, 4), "saved", dict(pp=2, audit_samples=True)),
                  (range(4, 8), "elastic", dict(pp=4, max_steps=0, epochs=1, audit_samples=True,
                                                  pipeline_schedule="gpipe"))])
