@@ -106,7 +106,9 @@ def train(
 
     The limit is what a user would otherwise run: a plain torch step of the same model, optimizer and batch
     on every rank at once, plus one raw Allreduce of all gradient bytes where overlap cannot hide it;
-    `step_over_limit` is the median over rounds that alternate the two.
+    `step_over_limit` is the median over rounds that alternate the two. Beside them, the data-parallel loop a
+    user writes by hand (the plain step with one raw Allreduce per gradient): it also pays the ranks' waits
+    for each other's slowest step, which the limit leaves out.
 
     With --zero 1|2 the step runs sharded and is timed beside stage 0; compare the memory of two runs, one
     per stage, with benchmarks/zero_memory.py.
@@ -172,6 +174,9 @@ def _print_train(result: dict) -> None:
     print(f"  limit              {result['limit_step_ms']:8.2f} ms  (plain torch step on every rank at once: "
           f"{result['plain_torch_step_ms']:.2f} ms{', plus one raw allreduce' if result['limit_comm_ms'] else ''}); "
           f"step / limit {result['step_over_limit']:.2f} (rounds {min(spread):.2f}-{max(spread):.2f})")
+    if "handwritten_step_ms" in result:
+        print(f"  hand-written loop  {result['handwritten_step_ms']:8.2f} ms  (plain step + one raw Allreduce per gradient: "
+              f"{result['handwritten_over_limit']:.2f}x the limit); step / hand-written {result['step_over_handwritten']:.2f}")
     if "stage0" in result:
         print(f"  stage 0 step       {result['stage0']['step_ms']:8.2f} ms  (stage {result['zero']} / stage 0: "
               f"{result['step_over_stage0']:.2f}x; gradients summed by {result['zero_reduce']})")

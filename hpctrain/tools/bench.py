@@ -25,7 +25,7 @@ import numpy as np
 from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
-from .benchlimit import limit_figures, plain_torch_step
+from .benchlimit import handwritten_step, limit_figures, plain_torch_step
 from .benchwatch import progress
 
 def parse_size(text: str) -> int:
@@ -138,8 +138,9 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     else:
         other = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
     plain = plain_torch_step(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n)
-    times = _timed_rounds(comm, {"hpctrain": hp_step, "plain": plain, "other": other}, steps, rounds,
-                          warmed=comm_times.clear)
+    hand = handwritten_step(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n, comm=comm)
+    times = _timed_rounds(comm, {"hpctrain": hp_step, "plain": plain, "handwritten": hand, "other": other}, steps,
+                          rounds, warmed=comm_times.clear)
     hp_times, other_times = times["hpctrain"], times.get("other", [])
     hp_ms = statistics.median(hp_times) * 1e3
     result: dict[str, Any] = {
@@ -155,7 +156,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         result.update(lm, vocab=vocab, tokens_per_s=global_n / hp_ms * 1e3)
         result["mfu"] = result["tokens_per_s"] * lm["flops_per_token"] / lm["peak_flops"]
     raw_ms = _raw_allreduce_ms(comm, params) if comm.size > 1 else None
-    result.update(limit_figures(hp_times, times["plain"], raw_ms, overlap))
+    result.update(limit_figures(hp_times, times["plain"], raw_ms, overlap, times.get("handwritten")))
     if zero:
         return _beside_stage0(result, other_times, sync, stage0_sync)
     if other:

@@ -37,6 +37,10 @@ def test_bench_train_json() -> None:
     assert r["step_over_limit"] == pytest.approx(r["hpctrain"]["step_ms"] / r["limit_step_ms"])
     assert r["self_world_step_ms"] > 0 and "compute_only_step_ms" not in r
     assert r["self_world_over_plain"] == pytest.approx(r["self_world_step_ms"] / r["plain_torch_step_ms"])
+    # the loop a user writes by hand (plain torch, one raw allreduce per gradient), timed in the same rounds
+    assert r["handwritten_step_ms"] > 0 and len(r["step_over_handwritten_rounds"]) == 1
+    assert r["step_over_handwritten"] == pytest.approx(r["hpctrain"]["step_ms"] / r["handwritten_step_ms"])
+    assert r["handwritten_over_limit"] == pytest.approx(r["handwritten_step_ms"] / r["limit_step_ms"])
 
 
 @pytest.mark.mpi
