@@ -30,7 +30,9 @@ LAYOUTS = {(2, 1, 1): None, (2, 2, 1): (2, 1, 1), (2, 1, 2): (2, 1, 1), (2, 2, 2
 
 
 def hpctrain(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "hpctrain", *args], check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"hpctrain {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
 
 
 def train(data: Path, run: Path, layout: tuple[int, int, int], steps: int, optimizer: str, *extra: str) -> None:
@@ -66,7 +68,7 @@ def main() -> None:
     half = args.steps // 2
     train(data, root / "saved", (2, 2, 1), half, args.optimizer, "--audit-samples")
     shutil.copytree(root / "saved", root / "elastic")
-    train(data, root / "saved", (2, 1, 2), args.steps, args.optimizer)
+    train(data, root / "saved", (2, 1, 2), args.steps, args.optimizer, "--audit-samples")
     print(f"saved at (2,2,1) step {half}, resumed at (2,1,2) to step {args.steps}, vs the uninterrupted (2,2,1): "
           f"{gap(root / 'saved', root / '2-2-1'):.2e}")
     train(data, root / "elastic", (1, 1, 4), 0, args.optimizer, "--epochs", "1", "--audit-samples")

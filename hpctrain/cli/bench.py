@@ -197,18 +197,18 @@ def _print_train(result: dict) -> None:
 def _print_parallel(result: dict) -> None:
     """`bench train --tp/--pp`'s result as a reader wants it."""
     lay, mem = result["layout"], result["memory"]
+    pipe = f", {result['micro_batches']} micro-batches ({result['pipeline_schedule']})" if lay["pipe"] > 1 else ""
     print(f"{result['model']}, batch {result['batch_size']}/replica, (D,T,P) = ({lay['data']},{lay['tensor']},"
-          f"{lay['pipe']}), {result['micro_batches']} micro-batches ({result['pipeline_schedule']}), "
-          f"{result['torch_threads']} torch thread(s) per rank")
+          f"{lay['pipe']}){pipe}, {result['torch_threads']} torch thread(s) per rank")
     spread = result["step_ms_rounds"]
     print(f"  step               {result['step_ms']:8.2f} ms  {result['samples_per_s']:9.0f} samples/s  (rounds "
           f"{min(spread):.1f}-{max(spread):.1f} ms)")
     print(f"  bubble             {result['bubble']:8.3f}     expected (P-1)/(M+P-1) = {result['expected_bubble']:.3f}")
     print(f"  memory per rank    {mem['params_and_optimizer_mib']:.2f} MiB parameters + optimizer state, "
           f"{mem['ratio_to_whole']:.3f}x the whole model's {mem['whole_mib']:.2f} MiB")
-    print("  stage  forward  backward  p2p wait  dp sync  optimizer  schedule   bubble   (ms per step, slowest rank)")
+    print("  stage  forward  backward  p2p wait  grad sync  optimizer  schedule   bubble   (ms per step, slowest rank)")
     for s in result["stages"]:
-        print(f"  {s['stage']:>5} {s['forward']:8.2f} {s['backward']:9.2f} {s['pipeline_wait']:9.2f} {s['wait']:8.2f} "
+        print(f"  {s['stage']:>5} {s['forward']:8.2f} {s['backward']:9.2f} {s['pipeline_wait']:9.2f} {s['wait']:10.2f} "
               f"{s['optimizer']:10.2f} {s['schedule']:9.2f} {s['bubble']:8.3f}")
 
 

@@ -10,7 +10,8 @@ same ones), timed as `bench train` times the data-parallel step: the slowest ran
   with the contention: measure it with one core per rank, or with stages of fixed duration
   (benchmarks/paced_blocks.py, which sleeps instead of computing).
 - Phases per stage (ms per step, the slowest rank of the stage): forward, backward, waits for a neighbour's
-  transfer, the data-parallel gradient sync, the optimizer.
+  transfer, the gradient sync after the schedule (the data-parallel sum, and the tied embedding/head's sum
+  between the first and the last stage, which waits for the first stage's last backward), the optimizer.
 - Memory per rank: parameters and optimizer state (after two steps, so the state exists), the largest over
   the ranks, and its ratio to the same for the whole model with its optimizer on one rank (measured on a
   whole copy stepped once here, before the split).
