@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..base.errors import ConfigError
 from .common import handle_errors, is_rank0
 from .helpformat import App
 
@@ -135,6 +136,9 @@ def train(
     _exit_budget(collective_timeout)
     if tp * pp > 1:
         from ..tools.benchparallel import bench_parallel
+
+        if device != "cpu":
+            raise ConfigError("bench train --tp/--pp measures on the CPU for now: drop --device cuda")
 
         with watched(collective_timeout) as comm:
             result = bench_parallel(comm, model_spec=model, tp=tp, pp=pp, micro_batches=micro_batches,

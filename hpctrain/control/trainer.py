@@ -6,7 +6,9 @@ them there), build the model on rank 0 and broadcast it, find where to start (fr
 a checkpoint, maybe of another world size), then loop over epochs and steps (read this rank's batch ->
 forward -> backward with bucketed, overlapped gradient allreduce -> optimizer step), validate after every
 epoch, checkpoint by policy and on a stop signal, and write metrics.jsonl, summary.json and model.pt.
-Each step of that list is one function below; `Run` holds what they build.
+Each step of that list is one function below; `Run` (runstate.py) holds what they build. A model split over
+the ranks (--tp, --pp) is cut after the broadcast, and its step, validation and whole model go through
+`hybrid.Parallel`; the readers and the gradient sync then run over the data-parallel group.
 """
 
 from __future__ import annotations
@@ -136,8 +138,9 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
                        batch_rows=cfg.batch_size * cfg.accumulate, row=hybrid.sample_row(shardset), seed=cfg.seed,
                        watchdog=watchdog)
     watchdog.idle()
+    model = par.model(model)  # a split run keeps its stage only: the whole model is freed here
     start = _resume_point(cfg, comm, par.data.size, shardset, resume_path, watchdog)
-    run = _build(cfg, comm, env, log, watchdog, shardset, par.model(model), device, start, stack, par)
+    run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack, par)
     run.staged = staged
     audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg.run_dir, cfg.audit_samples, comm.rank, start.step, audit_lines)

@@ -172,15 +172,22 @@ class BlocksStage(Stage):
 
 
 def _refuse_shared(named: list[tuple[str, nn.Module]], stages: int) -> None:
-    """A parameter used by blocks of two stages cannot be split by this pipeline: refused in one line."""
+    """Refused in one line: a parameter used by blocks of two stages (this pipeline cannot split it), and a
+    stage with nothing to train (blocks without parameters, e.g. a Flatten alone)."""
     seen: dict[int, int] = {}
     for p, (lo, hi) in enumerate(shard_bounds(len(named), stages)):
+        trainable = False
         for name, module in named[lo:hi]:
             for pname, param in module.named_parameters():
+                trainable = trainable or param.requires_grad
                 if seen.setdefault(id(param), p) != p:
                     raise ConfigError(f"--pp {stages}: parameter {name}.{pname} is used by stages {seen[id(param)]} "
                                       f"and {p} (tied weights); only the built-in gpt's tied embedding/head can span "
                                       "stages: use fewer stages or untie it")
+        if not trainable:
+            blocks = ", ".join(type(m).__name__ for _, m in named[lo:hi])
+            raise ConfigError(f"--pp {stages}: stage {p} would hold only {blocks}, with no parameter to train: use "
+                              "fewer stages, or blocks that each hold a layer with weights")
 
 
 def build_stage(model: Any, groups: Groups) -> Stage:

@@ -62,6 +62,9 @@ def test_every_layout_trains_step_for_step_like_data_parallelism(layouts: Path) 
     mlp = summary(layouts / "mlp-1-1-3")
     assert mlp["layout"]["pipe"] == 3 and mlp["ranks_in_sync"]
     assert _gap(_model(layouts / "mlp-1-1-3"), _model(layouts / "mlp-1-1-1")) < TOLERANCE
+    # validation through the pipeline: the whole model's loss and accuracy on the digits' validation split
+    plain = summary(layouts / "mlp-1-1-1")
+    assert mlp["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-5) and mlp["val_accuracy"] == plain["val_accuracy"]
 
 
 def test_a_checkpoint_of_one_layout_resumes_in_another(layouts: Path) -> None:

@@ -12,7 +12,7 @@ from hpctrain.base.errors import ConfigError
 from hpctrain.comm import Comm
 from hpctrain.compute.gpt import GPT
 from hpctrain.compute.models import mlp
-from hpctrain.parallel.groups import make_groups
+from hpctrain.parallel.groups import Groups, make_groups
 from hpctrain.parallel.layout import Layout, ModelLimits, check_layout, layouts_that_work
 from hpctrain.parallel.pipeline import expected_bubble, schedule
 from hpctrain.parallel.stages import build_stage, model_limits, put, take
@@ -114,3 +114,16 @@ def test_one_rank_holds_the_whole_gpt_under_its_own_names() -> None:
     assert stage.first and stage.last and stage.tied == [] and stage.aliases == {"head.weight": "tok_emb.weight"}
     assert set(stage.state_dict()) == set(gpt.state_dict()) and stage.keys == list(gpt.state_dict())
     assert torch.equal(stage(tokens), expected)
+
+
+def test_a_stage_with_nothing_to_train_or_a_weight_two_stages_share_is_refused() -> None:
+    def first_stage_of(stages: int) -> Groups:  # each rank checks every stage: the first stage's rank will do
+        one = Comm(None)
+        return Groups(one, Layout(1, 1, stages), 0, 0, 0, one, one, one, None)
+
+    with pytest.raises(ConfigError, match="stage 0 would hold only Flatten, with no parameter to train"):
+        build_stage(mlp((8,), 3, (4, 4)), first_stage_of(6))
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ConfigError, match="parameter 1.weight is used by stages 0 and 1"):
+        build_stage(tied, first_stage_of(2))
