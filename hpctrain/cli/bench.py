@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -129,24 +129,18 @@ def train(
     if compress is not None:
         print("note: --compress is now --grad-compression; the old spelling still works", file=sys.stderr)
         grad_compression = compress
+    if tp * pp > 1 and device != "cpu":
+        raise ConfigError("bench train --tp/--pp measures on the CPU for now: drop --device cuda")
     _relaunch(n)
     from ..tools.bench import bench_train
     from ..tools.benchwatch import watched
 
     _exit_budget(collective_timeout)
     if tp * pp > 1:
-        from ..tools.benchparallel import bench_parallel
-
-        if device != "cpu":
-            raise ConfigError("bench train --tp/--pp measures on the CPU for now: drop --device cuda")
-
-        with watched(collective_timeout) as comm:
-            result = bench_parallel(comm, model_spec=model, tp=tp, pp=pp, micro_batches=micro_batches,
-                                    schedule=pipeline_schedule, batch_size=batch_size, steps=steps, rounds=rounds,
-                                    input_dim=input_dim, seq_len=seq_len, vocab=vocab, optimizer=optimizer, zero=zero,
-                                    overlap=overlap, compress=grad_compression, bucket_mb=bucket_mb)
-        if is_rank0():
-            print(json.dumps(result)) if json_out else _print_parallel(result)
+        _train_split(collective_timeout, json_out, model_spec=model, tp=tp, pp=pp, micro_batches=micro_batches,
+                     schedule=pipeline_schedule, batch_size=batch_size, steps=steps, rounds=rounds, input_dim=input_dim,
+                     seq_len=seq_len, vocab=vocab, optimizer=optimizer, zero=zero, overlap=overlap,
+                     compress=grad_compression, bucket_mb=bucket_mb)
         return
     with watched(collective_timeout) as comm:
         result = bench_train(comm, model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
@@ -196,6 +190,17 @@ def _print_train(result: dict) -> None:
           f"communication: {result['self_world_over_plain']:.2f}x plain torch)")
     phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
     print(f"  where a step goes  {phases} (ms, slowest rank); {result['wire_bytes_per_step']:,} bytes on the wire")
+
+
+def _train_split(collective_timeout: float, json_out: bool, **options: Any) -> None:
+    """`bench train --tp/--pp`: the split step, measured on every rank; printed by rank 0."""
+    from ..tools.benchparallel import bench_parallel
+    from ..tools.benchwatch import watched
+
+    with watched(collective_timeout) as comm:
+        result = bench_parallel(comm, **options)
+    if is_rank0():
+        print(json.dumps(result)) if json_out else _print_parallel(result)
 
 
 def _print_parallel(result: dict) -> None:

@@ -132,7 +132,6 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         hp_step()  # the optimizer state exists from the first step on
     memory = _memory(comm, model, sync, opt)
     lm = _lm_rates(comm, model, device, seq_len) if _is_lm(model_spec) else None
-    other = None
     if zero:
         other, _, stage0_sync, _ = stepper(0)
     else:
