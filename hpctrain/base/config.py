@@ -23,6 +23,7 @@ SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2)
 ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 def parse_grad_compression(spec: str) -> tuple[str, float]:
     """(kind, parameter) of a --grad-compression value: none, fp16, bf16, powersgd[:RANK], topk[:FRACTION]."""
     kind, _, arg = str(spec).partition(":")
@@ -59,7 +60,8 @@ SHARD_SECTIONS: dict[str, tuple[str, ...]] = {
     "text": ("tokenizer", "train_tokenizer", "seq_len", "text_field", "glob"),
 }
 SECTION_TITLES = {"run": "Run", "data": "Data", "model": "Model", "optimizer": "Optimizer and schedule",
-                  "communication": "Communication", "zero": "Memory (ZeRO)", "precision": "Precision",
+                  "communication": "Communication", "zero": "Memory (ZeRO)",
+                  "parallel": "Model parallelism (tensor, pipeline)", "precision": "Precision",
                   "checkpoint": "Checkpoint and resume", "watchdog": "Watchdog", "logging": "Logging",
                   "trace": "Timeline", "output": "Source and output", "storage": "Storage", "images": "Images", "text": "Text"}
 
@@ -220,7 +222,8 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps in total (0: no limit)."""
     batch_size: int = 32
-    """Samples per rank per step; the global batch is batch_size x world_size."""
+    """Samples per data-parallel rank per step; the global batch is batch_size x D, where D is the world size
+    (divided by tp x pp when the model is split)."""
     lr: float = 0.05
     """Peak learning rate."""
     optimizer: str = "sgd"
@@ -281,6 +284,18 @@ class TrainConfig:
     zero_reduce: str = "auto"
     """How --zero 1/2 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
     allreduce (each rank keeps its slice), or auto (time each at start-up, keep the fastest)."""
+    tp: int = 1
+    """Tensor-parallel ranks per model replica (the built-in gpt only): attention heads, MLP units and the
+    vocabulary split over them. The world is D x tp x pp ranks; D data-parallel replicas."""
+    pp: int = 1
+    """Pipeline stages per model replica: the model's blocks (the gpt's layers, an nn.Sequential's children)
+    cut into pp consecutive stages."""
+    micro_batches: int = 0
+    """Micro-batches each step's batch is split into for the pipeline (0: 1 without one, 4 x pp with one); the
+    bubble is (pp - 1) / (micro_batches + pp - 1)."""
+    pipeline_schedule: str = "1f1b"
+    """1f1b (one forward, one backward: at most pp micro-batches' activations alive) or gpipe (every forward,
+    then every backward)."""
     audit_samples: bool = False
     """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
     collective_timeout: float = 300.0
@@ -358,6 +373,19 @@ class TrainConfig:
         if self.keep_staged and self.stage_to is None:
             raise ConfigError("--keep-staged keeps the copies that --stage-to makes: add --stage-to DIR|auto, "
                               "or drop --keep-staged")
+        for name, value in (("--tp", self.tp), ("--pp", self.pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} {value!r} must be a whole number of at least 1 (1: not split)")
+        if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 0:
+            raise ConfigError(f"--micro-batches {self.micro_batches!r} must be 0 (auto) or a whole number of at least 1")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise one_of("--pipeline-schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if self.tp * self.pp > 1 and self.stage_to is not None:
+            raise ConfigError("--stage-to does not combine with --tp/--pp (the ranks of one replica read the same "
+                              "files and would copy them to the same place): drop one of them")
+        if self.micro_batches > self.batch_size * self.accumulate:
+            raise ConfigError(f"--micro-batches {self.micro_batches} is more than the {self.batch_size * self.accumulate} "
+                              "rows of a step (--batch-size x --accumulate): use at most that many")
         if not self.resume:
             raise ConfigError("--resume '' is empty: use auto, never, or a checkpoint directory")
         if self.trace is not None:

@@ -69,6 +69,7 @@ class GradSync:
         hierarchical: bool = False,
         deterministic: bool = False,
         node_key: int | None = None,
+        alone: Iterable[Any] = (),
     ):
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
@@ -88,7 +89,7 @@ class GradSync:
         self.dtype = ordered[0].dtype
         self.device = ordered[0].device
         self.buckets: list[Bucket] = [self._make_bucket(i, group)
-                                       for i, group in enumerate(assign_buckets(ordered, bucket_mb, self.OWN_BYTES))]
+                                       for i, group in enumerate(assign_buckets(ordered, bucket_mb, self.OWN_BYTES, alone))]
         self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.deterministic = deterministic and comm.size > 1
         self.notes: list[str] = []
@@ -193,6 +194,11 @@ class GradSync:
                     "--bucket-mb and hpctrain version the run was written with to keep it")
         self.compressor.load_state_dict(state, "cpu" if self._staging else self.device)
         return None
+
+    def reduced(self, param: Any) -> Any:
+        """The memory that holds `param`'s summed gradient after `wait()` (its `.grad`; with ZeRO, the slice of
+        it this rank owns, for a parameter that was given as `alone`)."""
+        return param.grad
 
     def grad_tensors(self) -> list[Any]:
         """The memory that holds the summed gradients after `wait()` (to unscale or check them)."""

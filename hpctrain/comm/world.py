@@ -146,6 +146,16 @@ class Comm:
         exc.agreed = True
         raise exc
 
+    def split(self, color: int | None, key: int) -> "Comm | None":
+        """The ranks of this communicator that pass the same `color`, ordered by `key` (MPI_Comm_split; a
+        collective of every rank); None for a rank that passes None (it joins no group). A world of one
+        splits into itself."""
+        if self.mpi is None:
+            return None if color is None else self
+        MPI = load_mpi()
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else Comm(sub)
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (used when one rank cannot go on and the others would hang)."""
         self.mpi.Abort(code)

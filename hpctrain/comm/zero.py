@@ -94,7 +94,7 @@ class ZeroSync(GradSync):
 
     def __init__(self, params: Iterable[Any], comm: Comm, *, stage: int, bucket_mb: float = 25.0,
                  overlap: bool = True, compress: str = "none", deterministic: bool = False,
-                 hierarchical: bool = False, reduce: str = "auto"):
+                 hierarchical: bool = False, reduce: str = "auto", alone: Iterable[Any] = ()):
         if stage not in (1, 2):
             raise ConfigError(f"ZeRO stage {stage!r} must be 1 (optimizer state) or 2 (also gradients)")
         if hierarchical:
@@ -110,7 +110,7 @@ class ZeroSync(GradSync):
         self._pack_buffer: Any = None  # stage 2: the one buffer every bucket's gradients are packed into
         self.EAGER = stage == 2  # free each bucket's gradients as soon as backward has filled it
         super().__init__(params, comm, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
-                         deterministic=deterministic)
+                         deterministic=deterministic, alone=alone)
         self.params = [p for b in self.buckets for p in b.params]
         numels = [[p.numel() for p in b.params] for b in self.buckets]
         self.segments: list[Segment] = []
@@ -144,6 +144,13 @@ class ZeroSync(GradSync):
             RECORDER.end(seq)
             if host is not flat:
                 flat.copy_(host)
+
+    def reduced(self, param: Any) -> Any:
+        """This rank's slice of `param`'s summed gradient (a parameter given as `alone`: its bucket's slice)."""
+        bucket = self._bucket_of[id(param)]
+        if len(bucket.params) != 1:
+            raise ValueError("ZeroSync.reduced: the parameter shares its bucket; pass it as `alone`")
+        return bucket.shard
 
     def grad_tensors(self) -> list[Any]:
         """This rank's reduced slices: all of the summed gradient it holds after `wait()`."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import checkpoint as ckpt
-from . import rngstate
+from . import layoutfree, rngstate
 from ..base.config import TrainConfig
 from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
@@ -26,7 +26,7 @@ def _threads() -> int:
 
 # what may change between the segments of one run without changing what it computes
 NOT_A_CHANGE = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep",
-                "stage_to", "keep_staged"}
+                "stage_to", "keep_staged", "tp", "pp", "micro_batches", "pipeline_schedule"}
 
 
 def resolve(resume: str, run_dir: Path, warn: Callable[[str], Any]) -> Path | None:
@@ -94,19 +94,23 @@ def restore(run: Any) -> dict[str, int]:
         run.log.warning("config changed since the checkpoint: %s", change)
         if comm.rank == 0:
             print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
-    if meta["world_size"] == comm.size:  # an elastic resume is not bit-identical anyway: nothing to add
+    same = meta["world_size"] == comm.size and _layout(meta) == _layout_of(run)  # the same ranks in the same places
+    if same:  # an elastic resume is not bit-identical anyway: nothing to add
         for change in thread_change(meta.get("torch_threads")):
             run.log.warning("%s", change)
             if comm.rank == 0:
                 print(f"warning: {change}", file=sys.stderr)
-    run.model.load_state_dict(state["model"])
-    run.model.to(run.device)
     owns = [r.get("own") or {} for r in state["ranks"]]  # each rank's own state: optimizer slices, error feedback
-    load_entries(run.optimizer, state["train"]["optimizer"], [own.get("optimizer") for own in owns])
+    if run.par.plain and not meta.get("layout_free"):
+        run.model.load_state_dict(state["model"])
+        run.model.to(run.device)
+        load_entries(run.optimizer, state["train"]["optimizer"], [own.get("optimizer") for own in owns])
+    else:  # a split run's checkpoint, or a split run: whole tensors by name, this rank's share of each
+        layoutfree.restore(run, state)
     run.scheduler.load_state_dict(state["train"]["scheduler"])
     if run.scaler is not None and "scaler" in state["train"]:
         run.scaler.load_state_dict(state["train"]["scaler"])
-    if meta["world_size"] == comm.size:
+    if same:
         rngstate.restore(state["ranks"][comm.rank]["rng"])
         if owns[comm.rank].get("compress") is not None:
             unfit = run.sync.load_compressor_state(owns[comm.rank]["compress"])
@@ -123,18 +127,38 @@ def restore(run: Any) -> dict[str, int]:
     return known
 
 
+def _layout(meta: dict[str, Any]) -> list[int]:
+    """The (D, T, P) a checkpoint was written with (a data-parallel one's: (world size, 1, 1))."""
+    return list(meta.get("layout", [meta["world_size"], 1, 1]))
+
+
+def _layout_of(run: Any) -> list[int]:
+    lay = run.par.layout
+    return [lay.data, lay.tensor, lay.pipe]
+
+
 def state(run: Any, sink: Any, epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
-    """What a checkpoint at this step boundary holds (called only when one is written)."""
-    optimizer, shard = checkpoint_entries(run.optimizer)  # a sharded optimizer: the layout, and this rank's slices
+    """What a checkpoint at this step boundary holds (called only when one is written): a split run's model
+    and optimizer layout-free, each rank its shares (layoutfree.split_state)."""
+    split: dict[str, Any] = {}
+    if run.par.plain:
+        optimizer, shard = checkpoint_entries(run.optimizer)  # a sharded optimizer: the layout, and this rank's slices
+        model = run.model.state_dict()
+    else:
+        optimizer, shard, split = layoutfree.split_state(run)
+        model = {}
     compressor = run.sync.compressor_state()  # error feedback and warm starts: this rank's own
-    own = None if shard is None and compressor is None else {"optimizer": shard, "compress": compressor}
+    if not run.par.plain:
+        own = {**shard, "compress": compressor}
+    else:
+        own = None if shard is None and compressor is None else {"optimizer": shard, "compress": compressor}
     return dict(
-        model_state=run.model.state_dict(), shard_state=own,
+        model_state=model, shard_state=own,
         train_state={"optimizer": optimizer, "scheduler": run.scheduler.state_dict(),
                      **({"scaler": run.scaler.state_dict()} if run.scaler is not None else {})},
         rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
         meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
               "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
               "config": run.cfg.to_dict(), "schedule_steps": run.total_steps,
-              "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None)},
+              "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None), **split},
     )

@@ -160,19 +160,21 @@ def make_optimizer(cfg: OptimizerConfig, params: Any) -> Any:
 
 
 def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: Any, comm: Comm, overlap: bool, *,
-              reduce: str | None = None) -> tuple[GradSync, Any]:
+              reduce: str | None = None, alone: Any = ()) -> tuple[GradSync, Any]:
     """The gradient sync and the optimizer of a run, from its communication, ZeRO and optimizer sections: an
     allreduce and a plain optimizer, or with --zero 1/2 a reduce-scatter and an optimizer that steps only this
     rank's slices (parameters become bucket views); `reduce` overrides --zero-reduce (a resume keeps the
-    reducer its checkpoint was written with)."""
+    reducer its checkpoint was written with); each parameter of `alone` is a bucket by itself (a pipeline's
+    tied embedding/head, whose reduced gradient is then summed between two stages)."""
     optimizer = make_optimizer(opt, model.parameters())
     if zero.zero:
         sync = ZeroSync(model.parameters(), comm, stage=zero.zero, bucket_mb=wire.bucket_mb, overlap=overlap,
                         compress=wire.grad_compression, deterministic=wire.deterministic,
-                        reduce=reduce or zero.zero_reduce)
+                        reduce=reduce or zero.zero_reduce, alone=alone)
         return sync, ShardedOptimizer(optimizer, sync)
     sync = GradSync(model.parameters(), comm, bucket_mb=wire.bucket_mb, overlap=overlap,
-                    compress=wire.grad_compression, hierarchical=wire.hierarchical, deterministic=wire.deterministic)
+                    compress=wire.grad_compression, hierarchical=wire.hierarchical, deterministic=wire.deterministic,
+                    alone=alone)
     return sync, optimizer
 
 

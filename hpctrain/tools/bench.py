@@ -26,7 +26,7 @@ from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
 from ..control.tracing import Timeline
-from .benchlimit import handwritten_step, limit_figures, plain_torch_step
+from .benchlimit import limit_figures, limit_steps
 from .benchwatch import progress
 
 def parse_size(text: str) -> int:
@@ -42,7 +42,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _median_time(comm: Comm, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+def median_time(comm: Comm, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
     progress(f"timing {getattr(fn, '__name__', 'a step')}")
     for _ in range(warmup):
         fn()
@@ -71,10 +71,10 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
         count = max(1, size // 4)
         reps = iters or int(min(200, max(5, (64 << 20) // max(size, 1) // 4)))
         raw = np.ones(count, np.float32)
-        raw_s = _median_time(comm, lambda: comm.allreduce_inplace(raw), reps)
+        raw_s = median_time(comm, lambda: comm.allreduce_inplace(raw), reps)
         param = torch.nn.Parameter(torch.zeros(count))
         sync = GradSync([param], comm, bucket_mb=bucket_mb, overlap=False)
-        hp_s = _median_time(comm, sync.wait, reps)
+        hp_s = median_time(comm, sync.wait, reps)
         sync.close()
         bus = 2 * (n - 1) / n if n > 1 else 1.0
         rows.append({
@@ -97,14 +97,15 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling, and the
     memory each rank holds. With `zero` 1 or 2 the step runs at that ZeRO stage and is timed beside stage 0
     (built after the memory of the sharded step has been read, so that the peak RSS is the sharded run's).
-    A language model spec (`gpt[:...]`) takes rows of `seq_len` random tokens (`_workload`). `trace`: see `_phases`."""
+    A language model spec (`gpt[:...]`) takes rows of `seq_len` random tokens below `vocab` instead of
+    `input_dim` features and `classes` labels (see `workload`). `trace`: see `_phases`."""
     import torch
 
     from ..control.step import train_step
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
-    fresh_model, xs, ys = _workload(comm.rank, model_spec, batch_size, input_dim, classes, seq_len, vocab)
+    fresh_model, xs, ys = workload(comm.rank, model_spec, batch_size, input_dim, classes, seq_len, vocab)
     batches = itertools.cycle(list(zip(xs, ys)))  # one cycle for both steps: each takes the next batch
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
@@ -136,10 +137,8 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         other, _, stage0_sync, _ = stepper(0)
     else:
         other = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
-    plain = plain_torch_step(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n)
-    hand = handwritten_step(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n, comm=comm)
-    times = _timed_rounds(comm, {"hpctrain": hp_step, "plain": plain, "handwritten": hand, "other": other}, steps,
-                          rounds, warmed=comm_times.clear)
+    limits = limit_steps(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n, comm=comm)
+    times = _timed_rounds(comm, {"hpctrain": hp_step, **limits, "other": other}, steps, rounds, warmed=comm_times.clear)
     hp_times, other_times = times["hpctrain"], times.get("other", [])
     hp_ms = statistics.median(hp_times) * 1e3
     phases, traced = _phases(comm, hp_step, steps, hp_ms, trace)  # with trace: TRACE/trace.json, and its verdict
@@ -261,7 +260,7 @@ def _is_lm(model_spec: str) -> bool:
     return model_spec.partition(":")[0] == "gpt"
 
 
-def _workload(rank: int, model_spec: str, batch_size: int, input_dim: int, classes: int, seq_len: int,
+def workload(rank: int, model_spec: str, batch_size: int, input_dim: int, classes: int, seq_len: int,
               vocab: int) -> tuple[Callable[[], Any], list[Any], list[Any]]:
     """A builder of the model (seeded, so every rank and every call builds the same weights) and eight
     batches seeded by the rank: a classifier's random features and labels, or a language model's rows of
@@ -370,7 +369,7 @@ def _timed_rounds(comm: Comm, named: dict[str, Callable[[], None] | None], steps
     first = next(iter(named))
     for _ in range(rounds):
         for name, fn in named.items():
-            times[name].append(_median_time(comm, fn, steps, warmup=1))
+            times[name].append(median_time(comm, fn, steps, warmup=1))
         bar.update(1, hpctrain_ms=f"{times[first][-1] * 1e3:.1f}")
     bar.close()
     return times
@@ -380,7 +379,7 @@ def _raw_allreduce_ms(comm: Comm, params: int) -> float:
     """One raw mpi4py `Allreduce` of all gradient bytes (float32, host memory: the bound for the staging path
     too), the slowest rank's median."""
     flat = np.ones(params, np.float32)
-    return _median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
+    return median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
 
 
 def _sync_beside_raw(comm: Comm, sync: GradSync, raw_ms: float) -> dict[str, float]:

@@ -69,6 +69,15 @@ def handwritten_step(fresh_model: Callable[[], Any], xs: list[Any], ys: list[Any
     return step
 
 
+def limit_steps(fresh_model: Callable[[], Any], xs: list[Any], ys: list[Any], *, optimizer: str, device: Any,
+                global_n: int, comm: Any) -> dict[str, Callable[[], None] | None]:
+    """The steps hpctrain's is timed against, by name: the plain torch step (the limit's compute) and the
+    hand-written data-parallel loop (None where there is none)."""
+    common = {"optimizer": optimizer, "device": device, "global_n": global_n}
+    return {"plain": plain_torch_step(fresh_model, xs, ys, **common),
+            "handwritten": handwritten_step(fresh_model, xs, ys, comm=comm, **common)}
+
+
 def limit_figures(hp_rounds: list[float], plain_rounds: list[float], raw_allreduce_ms: float | None,
                   overlap: bool, hand_rounds: list[float] | None = None) -> dict[str, Any]:
     """The limit and hpctrain's step against it, round by round (seconds in, milliseconds out): the median

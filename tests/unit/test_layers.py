@@ -1,6 +1,7 @@
 """The layering the README's module map promises, checked on the source: who may import whom, by package.
 
     base  <-  trace  <-  compute, comm  <-  data  <-  control  <-  api, tools  <-  cli
+    compute, comm  <-  parallel  <-  control (model parallelism: groups, the split GPT, the pipeline)
     base, trace, comm  <-  horovod (Horovod's API, imported by user scripts only)
 
 (trace, the flight recorder and the timeline, sits under comm, which feeds it.)
@@ -27,11 +28,13 @@ MAY_IMPORT = {
     "compute": {"base", "compute"},
     "comm": {"base", "trace", "comm"},
     "data": {"base", "trace", "comm", "data"},  # the shard writer runs on every rank of `launch -n N -- shard` and gathers over comm
-    "control": {"base", "trace", "compute", "comm", "data", "control"},
-    "api": {"base", "trace", "compute", "comm", "data", "control", "api"},
+    # model parallelism: process groups and point-to-point over comm, the split GPT over compute's; control runs it
+    "parallel": {"base", "trace", "compute", "comm", "parallel"},
+    "control": {"base", "trace", "compute", "comm", "data", "parallel", "control"},
+    "api": {"base", "trace", "compute", "comm", "data", "parallel", "control", "api"},
     "horovod": {"base", "trace", "comm", "horovod"},  # Horovod's PyTorch API over the comm layer (import hpctrain.horovod)
-    "tools": {"base", "trace", "compute", "comm", "data", "control", "tools"},
-    "cli": {"base", "trace", "compute", "comm", "data", "control", "api", "tools", "cli"},
+    "tools": {"base", "trace", "compute", "comm", "data", "parallel", "control", "tools"},
+    "cli": {"base", "trace", "compute", "comm", "data", "parallel", "control", "api", "tools", "cli"},
     "__init__": {"api"},  # lazily, on first use of the library API
     "__main__": {"base", "cli"},
 }
