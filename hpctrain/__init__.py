@@ -2,13 +2,13 @@
 
 Importing this package is cheap: it neither imports torch nor initializes MPI. The library API
 (`init`, `broadcast_parameters`, `broadcast_optimizer_state`, `DistributedOptimizer`, `ShardLoader`,
-`Checkpointer`, `ranks_in_sync`) loads on first use; see `hpctrain.api`.
+`Checkpointer`, `Timeline`, `ranks_in_sync`) loads on first use; see `hpctrain.api`.
 """
 
 __version__ = "0.1.0"
 
 _API = ("Context", "init", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
-        "ShardLoader", "Checkpointer", "param_hash", "ranks_in_sync")
+        "ShardLoader", "Checkpointer", "Timeline", "param_hash", "ranks_in_sync")
 
 
 def __getattr__(name: str):

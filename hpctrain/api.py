@@ -18,7 +18,8 @@ The same comm, data and checkpoint layers that `hpctrain train` uses, behind a f
 
 `DistributedOptimizer.step()` applies the mean of the ranks' gradients (each rank's weighted by its share
 of the step's samples when the loader says the batches are uneven). `Checkpointer` adds atomic
-checkpoints, signal-driven stops and exact resume to such a loop.
+checkpoints, signal-driven stops and exact resume to such a loop. `Timeline` records every rank's steps over
+a window into RUN/trace.json and names a straggler, as `hpctrain train --trace` does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ import torch
 from .control import checkpoint as ckpt
 from .control import ckptstate, rngstate
 from .control.ckptload import open_checkpoint
+from .control.tracing import Timeline
 from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
 from .data import staging
 from .data.reader import ShardReader
@@ -44,6 +47,7 @@ from .data.shardformat import load_manifest
 from .base.rankenv import RankEnv, read_env, select_device
 from .base.errors import CheckpointError, ConfigError, HpctrainError
 from .base.stop import FLAG as STOP
+from .trace.spans import TRACER
 
 _CONTEXT: "Context | None" = None
 _ENGINES: "weakref.WeakKeyDictionary[Any, weakref.ref[GradSync]]" = weakref.WeakKeyDictionary()  # model -> its engine
@@ -232,11 +236,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def step(self, closure: Any = None) -> Any:
+        start = time.perf_counter()
         if not getattr(self, "_synced", False):
             self.sync.wait()
         self._synced = False
         self._loss_scaled = False  # the next step says again whether its loss carries the weight
-        return self.optimizer.step(closure)
+        waited = time.perf_counter()
+        out = self.optimizer.step(closure)
+        TRACER.span("wait", start, waited)  # on a Timeline's recorded steps only
+        TRACER.span("optimizer", waited, time.perf_counter())
+        return out
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -446,4 +455,4 @@ def ranks_in_sync(model: Any) -> bool:
 
 
 __all__ = ["Context", "init", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
-           "ShardLoader", "Checkpointer", "param_hash", "ranks_in_sync"]
+           "ShardLoader", "Checkpointer", "Timeline", "param_hash", "ranks_in_sync"]

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from .errors import ConfigError, one_of
 from .sections import TRAIN_SECTIONS
+from .window import parse_window
 
 S = TypeVar("S")
 HDF5_COMPRESSIONS = ("none", "lzf", "gzip")
@@ -22,6 +23,7 @@ SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 def parse_grad_compression(spec: str) -> tuple[str, float]:
     """(kind, parameter) of a --grad-compression value: none, fp16, bf16, powersgd[:RANK], topk[:FRACTION]."""
     kind, _, arg = str(spec).partition(":")
@@ -58,9 +60,10 @@ SHARD_SECTIONS: dict[str, tuple[str, ...]] = {
     "text": ("tokenizer", "train_tokenizer", "seq_len", "text_field", "glob"),
 }
 SECTION_TITLES = {"run": "Run", "data": "Data", "model": "Model", "optimizer": "Optimizer and schedule",
-                  "communication": "Communication", "zero": "Memory (ZeRO)", "precision": "Precision",
+                  "communication": "Communication", "zero": "Memory (ZeRO)",
+                  "parallel": "Model parallelism (tensor, pipeline)", "precision": "Precision",
                   "checkpoint": "Checkpoint and resume", "watchdog": "Watchdog", "logging": "Logging",
-                  "output": "Source and output", "storage": "Storage", "images": "Images", "text": "Text"}
+                  "trace": "Timeline", "output": "Source and output", "storage": "Storage", "images": "Images", "text": "Text"}
 
 
 def section_of(sections: dict[str, tuple[str, ...]]) -> dict[str, str]:
@@ -219,7 +222,8 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps in total (0: no limit)."""
     batch_size: int = 32
-    """Samples per rank per step; the global batch is batch_size x world_size."""
+    """Samples per data-parallel rank per step; the global batch is batch_size x D, where D is the world size
+    (divided by tp x pp when the model is split)."""
     lr: float = 0.05
     """Peak learning rate."""
     optimizer: str = "sgd"
@@ -281,6 +285,18 @@ class TrainConfig:
     zero_reduce: str = "auto"
     """How --zero 1-3 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
     allreduce (each rank keeps its slice), or auto (time each at start-up, keep the fastest)."""
+    tp: int = 1
+    """Tensor-parallel ranks per model replica (the built-in gpt only): attention heads, MLP units and the
+    vocabulary split over them. The world is D x tp x pp ranks; D data-parallel replicas."""
+    pp: int = 1
+    """Pipeline stages per model replica: the model's blocks (the gpt's layers, an nn.Sequential's children)
+    cut into pp consecutive stages."""
+    micro_batches: int = 0
+    """Micro-batches each step's batch is split into for the pipeline (0: 1 without one, 4 x pp with one); the
+    bubble is (pp - 1) / (micro_batches + pp - 1)."""
+    pipeline_schedule: str = "1f1b"
+    """1f1b (one forward, one backward: at most pp micro-batches' activations alive) or gpipe (every forward,
+    then every backward)."""
     audit_samples: bool = False
     """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
     collective_timeout: float = 300.0
@@ -297,6 +313,11 @@ class TrainConfig:
     """Print the summary as one JSON object."""
     progress: bool = True
     """Show a progress bar on rank 0 when the output is a terminal."""
+    trace: str | None = None
+    """Record a timeline of every rank over a window of steps: A:B (steps A to B), last:N (the run's last N
+    steps) or every:N (one step in N, the last 100 kept); at most 1,000 steps. Each rank writes
+    RUN/trace/rank-NNNN.json; the end of the run merges them into RUN/trace.json (open it in ui.perfetto.dev)
+    and names a straggler in summary.json. Off by default; the flight recorder of collectives is always on."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys from a config file that no flag has (kept in the resolved config)."""
 
@@ -354,8 +375,27 @@ class TrainConfig:
         if self.keep_staged and self.stage_to is None:
             raise ConfigError("--keep-staged keeps the copies that --stage-to makes: add --stage-to DIR|auto, "
                               "or drop --keep-staged")
+        for name, value in (("--tp", self.tp), ("--pp", self.pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} {value!r} must be a whole number of at least 1 (1: not split)")
+        if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 0:
+            raise ConfigError(f"--micro-batches {self.micro_batches!r} must be 0 (auto) or a whole number of at least 1")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise one_of("--pipeline-schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if self.tp * self.pp > 1 and self.zero == 3:
+            raise ConfigError(f"--zero 3 does not combine with --tp {self.tp} --pp {self.pp} (stage 3 gathers whole "
+                              "modules, a split run holds shares of them): use --zero 2, which shards the gradients "
+                              "and optimizer state over the data-parallel ranks")
+        if self.tp * self.pp > 1 and self.stage_to is not None:
+            raise ConfigError("--stage-to does not combine with --tp/--pp (the ranks of one replica read the same "
+                              "files and would copy them to the same place): drop one of them")
+        if self.micro_batches > self.batch_size * self.accumulate:
+            raise ConfigError(f"--micro-batches {self.micro_batches} is more than the {self.batch_size * self.accumulate} "
+                              "rows of a step (--batch-size x --accumulate): use at most that many")
         if not self.resume:
             raise ConfigError("--resume '' is empty: use auto, never, or a checkpoint directory")
+        if self.trace is not None:
+            parse_window(self.trace)
 
     @staticmethod
     def upgrade(values: dict[str, Any]) -> dict[str, Any]:

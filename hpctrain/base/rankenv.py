@@ -2,6 +2,13 @@
 
 SLURM_*, OMPI_*, PMI_*/PMIX_*, CUDA_VISIBLE_DEVICES and TMPDIR are read here, from one table of names, and handed
 down as a plain `RankEnv` value. Nothing else in hpctrain looks at these variables.
+
+Two test hooks are read here too, for the tests and benchmarks of the timeline and the flight recorder
+(docs/guides/timeline.md); a run without them is untouched:
+- HPCTRAIN_TEST_STRAGGLER=RANK:SECONDS: that rank sleeps SECONDS in its data path before every step (a
+  straggler of a known size);
+- HPCTRAIN_TEST_HANG=RANK:STEP:BUCKET: that rank stops for good just before the collective of gradient
+  bucket BUCKET at step STEP, as a rank stuck in its own code would (the others wait for it there).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
     "slurm_tmpdir": ("SLURM_TMPDIR",),
     "tmpdir": ("TMPDIR",),
+    "test_straggler": ("HPCTRAIN_TEST_STRAGGLER",),
+    "test_hang": ("HPCTRAIN_TEST_HANG",),
 }
 
 # Variables whose presence says which launcher started this process.
@@ -53,6 +62,8 @@ class RankEnv:
     cuda_visible_devices: str | None = None
     slurm_tmpdir: str | None = None  # the job's node-local scratch directory, where a site sets it up
     tmpdir: str | None = None
+    test_straggler: str | None = None  # test hooks (see the module's docstring)
+    test_hang: str | None = None
     launcher: str = "none"
     cpus_available: int = 1
 
@@ -107,6 +118,8 @@ def read_env(environ: Mapping[str, str] | None = None) -> RankEnv:
         cuda_visible_devices=raw["cuda_visible_devices"],
         slurm_tmpdir=raw["slurm_tmpdir"],
         tmpdir=raw["tmpdir"],
+        test_straggler=raw["test_straggler"],
+        test_hang=raw["test_hang"],
         launcher=launcher,
         cpus_available=cpus,
     )

@@ -67,6 +67,14 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tp: int
+    pp: int
+    micro_batches: int
+    pipeline_schedule: str
+
+
+@dataclass(frozen=True, slots=True)
 class PrecisionConfig:
     precision: str
 
@@ -93,11 +101,16 @@ class LoggingConfig:
     progress: bool
 
 
+@dataclass(frozen=True, slots=True)
+class TraceConfig:
+    trace: str | None
+
+
 # the section's name in a TOML file and in --help, and its class, in the order they are shown
 TRAIN_SECTION_CLASSES: dict[str, type] = {
     "run": RunConfig, "data": DataConfig, "model": ModelConfig, "optimizer": OptimizerConfig,
-    "communication": CommConfig, "zero": ZeroConfig, "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
-    "watchdog": WatchdogConfig, "logging": LoggingConfig,
+    "communication": CommConfig, "zero": ZeroConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig, "watchdog": WatchdogConfig, "logging": LoggingConfig, "trace": TraceConfig,
 }
 TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {name: tuple(f.name for f in fields(cls))
                                               for name, cls in TRAIN_SECTION_CLASSES.items()}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
+from ..base.errors import ConfigError
 from .common import handle_errors, is_rank0
 from .helpformat import App
 
@@ -93,8 +94,13 @@ def train(
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per local rank; DDP baseline skipped).")] = "cpu",
     zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1-3: timed beside stage 0 instead of DDP).", min=0, max=3)] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw; lr 0.01.")] = "sgd",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks per replica (gpt): time the split step instead.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline stages per replica: time the split step, its bubble and each stage's phases.")] = 1,
+    micro_batches: Annotated[int, typer.Option(help="Micro-batches per step with --pp (0: 4 x pp).")] = 0,
+    pipeline_schedule: Annotated[str, typer.Option(help="1f1b or gpipe.")] = "1f1b",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
     collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
+    trace: Annotated[Optional[str], typer.Option(help="A directory: record every rank's timeline of the phases pass (--steps steps) into DIR/trace.json, with the straggler verdict.", metavar="DIR")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Training step time of hpctrain against the honest limit and beside torch DDP (gloo), one-rank scaling,
@@ -102,7 +108,9 @@ def train(
 
     The limit is what a user would otherwise run: a plain torch step of the same model, optimizer and batch
     on every rank at once, plus one raw Allreduce of all gradient bytes where overlap cannot hide it;
-    `step_over_limit` is the median over rounds that alternate the two.
+    `step_over_limit` is the median over rounds that alternate the two. Beside them, the data-parallel loop a
+    user writes by hand (the plain step with one raw Allreduce per gradient): it also pays the ranks' waits
+    for each other's slowest step, which the limit leaves out.
 
     With --zero 1-3 the step runs sharded and is timed beside stage 0 (at stage 3 the phases add the time of
     the parameter gathers and the part of it the step waited for: what prefetch, with --overlap, hides);
@@ -113,20 +121,36 @@ def train(
     Example: hpctrain bench train -n 4 --zero 2 --optimizer adam --model mlp:8192,8192 --steps 3 --rounds 1
 
     Example: hpctrain bench train -n 2 --model gpt:layers=2,dim=128,heads=4 --seq-len 128 --batch-size 32
+
+    Example: hpctrain bench train -n 4 --baseline none --trace bench-trace
+
+    With --tp/--pp the model is split over the ranks as `train` splits it: the step, the measured and the
+    expected pipeline bubble, each stage's phases, and the parameters and optimizer state per rank beside the
+    whole model's.
+
+    Example: hpctrain bench train -n 4 --tp 2 --pp 2 --model gpt:layers=4,dim=128,heads=4 --batch-size 16
     """
     if compress is not None:
         print("note: --compress is now --grad-compression; the old spelling still works", file=sys.stderr)
         grad_compression = compress
+    if tp * pp > 1 and device != "cpu":
+        raise ConfigError("bench train --tp/--pp measures on the CPU for now: drop --device cuda")
     _relaunch(n)
     from ..tools.bench import bench_train
     from ..tools.benchwatch import watched
 
     _exit_budget(collective_timeout)
+    if tp * pp > 1:
+        _train_split(collective_timeout, json_out, model_spec=model, tp=tp, pp=pp, micro_batches=micro_batches,
+                     schedule=pipeline_schedule, batch_size=batch_size, steps=steps, rounds=rounds, input_dim=input_dim,
+                     seq_len=seq_len, vocab=vocab, optimizer=optimizer, zero=zero, overlap=overlap,
+                     compress=grad_compression, bucket_mb=bucket_mb)
+        return
     with watched(collective_timeout) as comm:
         result = bench_train(comm, model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
                              rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap,
                              compress=grad_compression, device=device, zero=zero, optimizer=optimizer, seq_len=seq_len,
-                             vocab=vocab)
+                             vocab=vocab, trace=trace)
     if not is_rank0():
         return
     if json_out:
@@ -153,6 +177,9 @@ def _print_train(result: dict) -> None:
           f"{result['plain_torch_step_ms']:.2f} ms{', plus one raw allreduce' if result['limit_comm_ms'] else ''}); "
           f"step / limit {result['step_over_limit']:.2f} (rounds {min(spread):.2f}-{max(spread):.2f})")
     phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
+    if "handwritten_step_ms" in result:
+        print(f"  hand-written loop  {result['handwritten_step_ms']:8.2f} ms  (plain step + one raw Allreduce per gradient: "
+              f"{result['handwritten_over_limit']:.2f}x the limit); step / hand-written {result['step_over_handwritten']:.2f}")
     if "stage0" in result:
         print(f"  stage 0 step       {result['stage0']['step_ms']:8.2f} ms  (stage {result['zero']} / stage 0: "
               f"{result['step_over_stage0']:.2f}x; gradients summed by {result['zero_reduce']})")
@@ -168,6 +195,38 @@ def _print_train(result: dict) -> None:
     print(f"  one rank, own world{result['self_world_step_ms']:8.2f} ms  (hpctrain's step on every rank at once, no "
           f"communication: {result['self_world_over_plain']:.2f}x plain torch)")
     print(f"  where a step goes  {phases} (ms, slowest rank); {result['wire_bytes_per_step']:,} bytes on the wire")
+    if "trace" in result:
+        print(f"  timeline           {result['trace_dir']}/{result['trace']['file']} ({result['trace']['bytes']:,} bytes): "
+              f"{result['straggler']['verdict']}")
+
+
+def _train_split(collective_timeout: float, json_out: bool, **options: Any) -> None:
+    """`bench train --tp/--pp`: the split step, measured on every rank; printed by rank 0."""
+    from ..tools.benchparallel import bench_parallel
+    from ..tools.benchwatch import watched
+
+    with watched(collective_timeout) as comm:
+        result = bench_parallel(comm, **options)
+    if is_rank0():
+        print(json.dumps(result)) if json_out else _print_parallel(result)
+
+
+def _print_parallel(result: dict) -> None:
+    """`bench train --tp/--pp`'s result as a reader wants it."""
+    lay, mem = result["layout"], result["memory"]
+    pipe = f", {result['micro_batches']} micro-batches ({result['pipeline_schedule']})" if lay["pipe"] > 1 else ""
+    print(f"{result['model']}, batch {result['batch_size']}/replica, (D,T,P) = ({lay['data']},{lay['tensor']},"
+          f"{lay['pipe']}){pipe}, {result['torch_threads']} torch thread(s) per rank")
+    spread = result["step_ms_rounds"]
+    print(f"  step               {result['step_ms']:8.2f} ms  {result['samples_per_s']:9.0f} samples/s  (rounds "
+          f"{min(spread):.1f}-{max(spread):.1f} ms)")
+    print(f"  bubble             {result['bubble']:8.3f}     expected (P-1)/(M+P-1) = {result['expected_bubble']:.3f}")
+    print(f"  memory per rank    {mem['params_and_optimizer_mib']:.2f} MiB parameters + optimizer state, "
+          f"{mem['ratio_to_whole']:.3f}x the whole model's {mem['whole_mib']:.2f} MiB")
+    print("  stage  forward  backward  p2p wait  grad sync  optimizer  schedule   bubble   (ms per step, slowest rank)")
+    for s in result["stages"]:
+        print(f"  {s['stage']:>5} {s['forward']:8.2f} {s['backward']:9.2f} {s['pipeline_wait']:9.2f} {s['wait']:10.2f} "
+              f"{s['optimizer']:10.2f} {s['schedule']:9.2f} {s['bubble']:8.3f}")
 
 
 @app.command()

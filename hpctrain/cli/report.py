@@ -21,6 +21,8 @@ def report(
                                                 "compare.png, compare.md and compare.json (required).")] = None,
 ) -> None:
     """Plot loss, validation accuracy, throughput and per-rank compute/communication/data time; write report.md.
+    A traced run (--trace) adds the straggler verdict and every rank's phase times; a run that hung or failed
+    gets its ranks' flight records lined up: the collective where they diverge, and who never arrived.
     With several runs: one plot of their loss and validation over steps, one table of their final figures,
     and the best run named.
 
@@ -34,7 +36,10 @@ def report(
         from ..tools.report import report as write_report
 
         written = write_report(runs[0], out)
-        print(f"wrote {written['report']} and {len(written) - 1} plots in {written['report'].parent}")
+        plots = [p for p in written.values() if isinstance(p, Path) and p.suffix == ".png"]
+        print(f"wrote {written['report']} and {len(plots)} plots in {written['report'].parent}")
+        for finding in written["findings"]:  # the straggler verdict (--trace), a hang's flight records lined up
+            print(finding)
         return
     if out is None:
         raise ConfigError(f"{len(runs)} runs to compare: pass -o DIR for compare.png, compare.md and compare.json")

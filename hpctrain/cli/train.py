@@ -111,6 +111,9 @@ def train(
                 value = summary.get(key)
                 print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else f"{key:>18}: {value}")
             print(f"{'run_dir':>18}: {cfg.run_dir}", file=sys.stdout)
+            if "straggler" in summary:  # --trace
+                print(f"{'timeline':>18}: {cfg.run_dir / summary['trace']['file']} (open it in ui.perfetto.dev)")
+                print(f"{'straggler':>18}: {summary['straggler']['verdict']}")
 
 
 with_signature(train, config_parameters(TrainConfig, skip=("progress", "extra"), required=("data", "run_dir"),

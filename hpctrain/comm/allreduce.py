@@ -21,10 +21,11 @@ class WholeGradients(Strategy):
     def __init__(self, engine: Any):
         self.engine = engine
 
-    def build(self, ordered: list[Any], bucket_mb: float) -> list[Bucket]:
+    def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
+        """Buckets of at most `bucket_mb` MiB; a large gradient, and each parameter of `alone`, a bucket alone."""
         e = self.engine
         return [owned_bucket(i, group, e.dtype, e.device)
-                for i, group in enumerate(assign_buckets(ordered, bucket_mb, e.OWN_BYTES))]
+                for i, group in enumerate(assign_buckets(ordered, bucket_mb, e.OWN_BYTES, alone))]
 
     # -- after backward --------------------------------------------------------------------------------
     def reduce(self, bucket: Bucket) -> None:

@@ -36,16 +36,18 @@ def trainable_in_backward_order(params: Iterable[Any]) -> list[Any]:
     return ordered
 
 
-def assign_buckets(ordered: list[Any], bucket_mb: float, alone_bytes: int | None = None) -> list[list[Any]]:
+def assign_buckets(ordered: list[Any], bucket_mb: float, alone_bytes: int | None = None,
+                   alone: Iterable[Any] = ()) -> list[list[Any]]:
     """Cut the parameters, in order, into runs of at most `bucket_mb` MiB; a larger parameter is a run alone,
-    and so is one of at least `alone_bytes` (when given)."""
+    and so is one of at least `alone_bytes` (when given), and each of `alone`."""
     size_of = ordered[0].element_size()
     limit = max(1, int(bucket_mb * 2**20) // size_of)
-    alone = limit if alone_bytes is None else min(limit, max(1, alone_bytes // size_of))
+    limit_alone = limit if alone_bytes is None else min(limit, max(1, alone_bytes // size_of))
+    single = {id(p) for p in alone}
     groups: list[list[Any]] = [[]]
     size, last_alone = 0, False
     for p in ordered:
-        is_alone = p.numel() >= alone
+        is_alone = p.numel() >= limit_alone or id(p) in single
         if groups[-1] and (size + p.numel() > limit or is_alone or last_alone):
             groups.append([])
             size = 0
@@ -135,6 +137,7 @@ class Strategy:
 
     stage = 0
     eager = False  # reduce each bucket inline as soon as backward has filled it, even without overlap
+    COLLECTIVE = "allreduce"  # what the flight recorder calls a bucket's sum
 
     def start(self) -> None:
         """The engine is built: hook the model (stage 3's forward hooks)."""

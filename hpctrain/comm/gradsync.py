@@ -16,7 +16,9 @@ the zeroing pass and the accumulation into persistent bucket views cost more tha
 runs on a dedicated communication thread as soon as all of its gradients are ready (with overlap), inline in
 backward (stages 2 and 3 without overlap, to free memory early) or in `wait()`. Every collective of a step
 (ZeRO 3's parameter gathers too) runs on that one thread with overlap, so that every rank issues them in the
-same order. The collectives themselves are in collectives.py, the wire formats in wire.py.
+same order. The collectives themselves are in collectives.py, the wire formats in wire.py. The flight recorder
+(trace/flight.py) sees every one of them: each bucket's sum in `_reduce_guarded` (named by the strategy's
+`COLLECTIVE`), each parameter gather in `gather` (ZeRO's allgathers, stage 3's prefetches included).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..base.config import ZERO_REDUCERS, parse_grad_compression
 from ..base.errors import CommError, ConfigError
 from ..base.hostmem import give_back_freed_memory, reuse_freed_memory
 from ..base.threads import join_logged
+from ..trace.flight import RECORDER
 from . import compress as compression
 from .allreduce import WholeGradients
 from .buckets import Bucket, trainable_in_backward_order
@@ -40,7 +43,7 @@ from .zero import ShardedState, make_segments, unpacked
 from .zero3 import ShardedParams
 
 
-def refuse(stage: int, compress: str, hierarchical: bool, reduce: str, module: Any) -> None:
+def refuse(stage: int, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any] = ()) -> None:
     """What does not compose with ZeRO `stage`, refused in one line before anything is built."""
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"ZeRO stage {stage!r} must be 0 (none), 1 (optimizer state), 2 (also gradients) or 3 "
@@ -58,6 +61,9 @@ def refuse(stage: int, compress: str, hierarchical: bool, reduce: str, module: A
     if stage == 3 and module is None:
         raise ConfigError("--zero 3 shards the parameters by module: give the model (module=model), not only "
                           "its parameters")
+    if stage == 3 and alone:
+        raise ConfigError("--zero 3 keeps each module's parameters in one bucket, so no parameter can be reduced "
+                          "alone (a pipeline's tied embedding/head asks for that): use --zero 2")
 
 
 class GradSync:
@@ -77,10 +83,12 @@ class GradSync:
 
     def __init__(self, params: Iterable[Any], comm: Comm, *, stage: int = 0, module: Any = None,
                  bucket_mb: float = 25.0, overlap: bool = True, compress: str = "none", hierarchical: bool = False,
-                 deterministic: bool = False, node_key: int | None = None, reduce: str = "auto"):
+                 deterministic: bool = False, node_key: int | None = None, reduce: str = "auto",
+                 alone: Iterable[Any] = ()):
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
-        refuse(stage, compress, hierarchical, reduce, module)
+        alone = list(alone)
+        refuse(stage, compress, hierarchical, reduce, module, alone)
         kind, _ = parse_grad_compression(compress)
         reuse_freed_memory()  # zero() drops the gradients every step: their memory is kept for the next
         self.comm, self.stage = comm, stage
@@ -95,7 +103,7 @@ class GradSync:
         self.notes: list[str] = []
         self.strategy: Any = (WholeGradients(self) if stage == 0 else ShardedState(self, stage) if stage < 3
                               else ShardedParams(self, module))
-        self.buckets: list[Bucket] = self.strategy.build(ordered, bucket_mb)
+        self.buckets: list[Bucket] = self.strategy.build(ordered, bucket_mb, alone)
         self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.params = [p for b in self.buckets for p in b.params]
         self.colls = Collectives(comm, deterministic=deterministic, hierarchical=hierarchical, node_key=node_key)
@@ -161,7 +169,7 @@ class GradSync:
             pending = self.buckets[self._launched:]
             self._launched = len(self.buckets)
         for bucket in pending:  # those the backward did not launch (all of them at stage 0 without overlap)
-            self.submit(lambda b=bucket: self._reduce_guarded(b), bucket.done)
+            self._launch(bucket)
         for bucket in self.buckets:
             self.await_done(bucket.done)
         self._end_round()
@@ -192,6 +200,21 @@ class GradSync:
         else:
             self._queue.put((task, done))
 
+    def _launch(self, bucket: Bucket) -> None:
+        """Submit `bucket`'s reduction (the flight recorder notes when a bucket is handed to the thread)."""
+        if self._thread is not None:
+            RECORDER.handoff(bucket.index)
+        self.submit(lambda: self._reduce_guarded(bucket), bucket.done)
+
+    def gather(self, bucket: Bucket, full: Any, shard: Any = None) -> None:
+        """Every rank's slice of `bucket`'s parameters into `full` (from `shard`, or in place), as the flight
+        recorder sees it: ZeRO's allgathers, after the step (stages 1 and 2) or a unit's (stage 3)."""
+        seq = RECORDER.begin("allgather", bucket.index, self.dtype, nbytes=full.numel() * full.element_size())
+        try:
+            self.colls.allgather(full, bucket.counts, shard)
+        finally:
+            RECORDER.end(seq)
+
     def compressor_state(self) -> dict[str, Any] | None:
         """The compressor's per-rank state (error feedback, warm starts) for a checkpoint; None without one."""
         return self.compressor.state_dict() if self.compressor is not None else None
@@ -211,6 +234,16 @@ class GradSync:
                     "--bucket-mb and hpctrain version the run was written with to keep it")
         self.compressor.load_state_dict(state, "cpu" if self.staging else self.device)
         return None
+
+    def reduced(self, param: Any) -> Any:
+        """The memory that holds `param`'s summed gradient after `wait()`: its `.grad` at stage 0; with ZeRO,
+        this rank's slice of it (flat), for a parameter that is a bucket alone (given as `alone`)."""
+        if not self.stage:
+            return param.grad
+        bucket = self._bucket_of[id(param)]
+        if len(bucket.params) != 1:
+            raise ValueError("GradSync.reduced: at ZeRO stages 1-3 the parameter shares its bucket; pass it as `alone`")
+        return bucket.shard
 
     def grad_tensors(self) -> list[Any]:
         """The memory that holds this rank's summed gradients after `wait()` (to unscale, check or clip them)."""
@@ -331,7 +364,7 @@ class GradSync:
                 if len(nxt.ready) < len(nxt.params):
                     break
                 self._launched += 1
-                self.submit(lambda b=nxt: self._reduce_guarded(b), nxt.done)
+                self._launch(nxt)
 
     @property
     def threaded(self) -> bool:
@@ -378,12 +411,17 @@ class GradSync:
     def _reduce_guarded(self, bucket: Bucket) -> None:
         """Reduce `bucket`, keeping the first error for wait() to raise. After an error the remaining
         buckets are still reduced: every other rank enters their collectives, and a rank that skipped them
-        would leave the others waiting forever."""
+        would leave the others waiting forever. The one hook of the flight recorder for every bucket's sum
+        (flat, hierarchical, rank-ordered, 16-bit, compressed, ZeRO's reduce-scatter): its bytes on the wire."""
+        seq = RECORDER.begin(self.strategy.COLLECTIVE, bucket.index,
+                             self.compress if self.compress != "none" else self.dtype, counter=self.wire_round)
         try:
             self.strategy.reduce(bucket)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() in the caller's thread
             if self._error is None:
                 self._error = exc
+        finally:
+            RECORDER.end(seq, self.wire_round)
 
     def _needs_staging(self) -> bool:
         """Whether device gradients go through pinned host buffers: on a GPU rank whose MPI is not CUDA-aware,

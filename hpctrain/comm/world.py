@@ -11,15 +11,17 @@ The communicator is always passed in; `world()` gives COMM_WORLD and works in on
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from ..base.errors import CommError
+from ..trace.flight import RECORDER
 
 _MPI: Any = None
 
@@ -42,6 +44,25 @@ def load_mpi() -> Any:
     return _MPI
 
 
+def recorded(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A collective of `Comm` as the flight recorder sees it: one record per call (none in a world of one)."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(self: "Comm", *args: Any, **kwargs: Any) -> Any:
+            if self.size == 1:
+                return fn(self, *args, **kwargs)
+            seq = RECORDER.begin(op)
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                RECORDER.end(seq)
+
+        return call
+
+    return wrap
+
+
 class Comm:
     """A thin wrapper around one mpi4py communicator with the collectives hpctrain uses.
 
@@ -55,26 +76,31 @@ class Comm:
         self.size: int = mpi_comm.Get_size() if mpi_comm is not None else 1
 
     # -- small collectives -------------------------------------------------------------------------
+    @recorded("barrier")
     def barrier(self) -> None:
         if self.size > 1:
             self.mpi.Barrier()
 
+    @recorded("bcast")
     def bcast(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object from `root`."""
         if self.size == 1:
             return obj
         return self.mpi.bcast(obj, root=root)
 
+    @recorded("allgather")
     def allgather(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
         return self.mpi.allgather(obj)
 
+    @recorded("gather")
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         if self.size == 1:
             return [obj]
         return self.mpi.gather(obj, root=root)
 
+    @recorded("allreduce")
     def allreduce_array(self, values: Sequence[float] | np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce a small float64 vector over all ranks (op: sum, max or min)."""
         buf = np.ascontiguousarray(values, dtype=np.float64).copy()
@@ -83,6 +109,7 @@ class Comm:
             self.mpi.Allreduce(MPI.IN_PLACE, buf, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
         return buf
 
+    @recorded("bcast")
     def broadcast_tensors(self, tensors: Iterable[Any], root: int = 0) -> None:
         """Broadcast CPU tensors in place from `root` (parameters and buffers at start-up)."""
         import torch
@@ -119,6 +146,16 @@ class Comm:
         exc.agreed = True
         raise exc
 
+    def split(self, color: int | None, key: int) -> "Comm | None":
+        """The ranks of this communicator that pass the same `color`, ordered by `key` (MPI_Comm_split; a
+        collective of every rank); None for a rank that passes None (it joins no group). A world of one
+        splits into itself."""
+        if self.mpi is None:
+            return None if color is None else self
+        MPI = load_mpi()
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else Comm(sub)
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (used when one rank cannot go on and the others would hang)."""
         self.mpi.Abort(code)
@@ -133,6 +170,7 @@ class Comm:
         MPI = load_mpi()
         self.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
+    @recorded("barrier")
     def idle_barrier(self, poll_s: float | None = 0.005) -> None:
         """A barrier whose waiting ranks sleep `poll_s` between polls instead of spinning a core (a blocking
         MPI barrier busy-polls and would steal CPU from a rank still at work); `poll_s=None` waits inside

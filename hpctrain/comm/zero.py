@@ -131,18 +131,20 @@ def _sum_and_keep(e: Any, buf: Any, parts: list[tuple[int, Any]], bucket: Bucket
 class ShardedState(Strategy):
     """The ZeRO stage 1 or 2 strategy of `engine` (a GradSync)."""
 
+    COLLECTIVE = "reduce-scatter"
+
     def __init__(self, engine: Any, stage: int):
         self.engine = engine
         self.stage = stage
         self.eager = stage == 2  # free each bucket's gradients as soon as backward has filled it
         self._pack_buffer: Any = None  # stage 2: the one buffer every bucket's gradients are packed into
 
-    def build(self, ordered: list[Any], bucket_mb: float) -> list[Bucket]:
+    def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
         """Flat parameter memory for each bucket (its parameters become views into it), this rank's reduced
-        gradient slice, and at stage 1 the flat gradient bucket."""
+        gradient slice, and at stage 1 the flat gradient bucket; each parameter of `alone` a bucket by itself."""
         e = self.engine
         buckets = []
-        for index, group in enumerate(assign_buckets(ordered, bucket_mb, e.OWN_BYTES)):
+        for index, group in enumerate(assign_buckets(ordered, bucket_mb, e.OWN_BYTES, alone)):
             bucket = sharded_bucket(index, group, e.comm.size, e.comm.rank, e.dtype, e.device)
             if self.stage == 1:  # gradients as the allreduce holds them: a large one alone, small ones packed
                 owned = owned_bucket(index, group, e.dtype, e.device)
@@ -181,7 +183,7 @@ class ShardedState(Strategy):
         for bucket in e.buckets:
             flat = bucket.param_flat
             host = flat.cpu() if flat.is_cuda and e.staging else flat
-            e.colls.allgather(host, bucket.counts)
+            e.gather(bucket, host)
             if host is not flat:
                 flat.copy_(host)
 

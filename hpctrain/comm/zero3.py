@@ -122,6 +122,7 @@ class ShardedParams(Strategy):
     """The ZeRO stage 3 strategy of `engine` (a GradSync) over `module`."""
 
     stage = 3
+    COLLECTIVE = "reduce-scatter"
     eager = True  # free each unit's gradients (and parameters) as soon as its backward is done
 
     def __init__(self, engine: Any, module: Any):
@@ -133,7 +134,7 @@ class ShardedParams(Strategy):
         self.gather_seconds = 0.0  # spent in the gathers (on the communication thread with overlap), summed
         self.wait_seconds = 0.0  # spent by forward and backward waiting for a unit's gather: what prefetch hides
 
-    def build(self, ordered: list[Any], bucket_mb: float) -> list[Bucket]:
+    def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
         """A bucket per unit: its parameters become views into the bucket's flat memory, this rank keeps a copy
         of its slice (`owned`), and the flat memory is released."""
         e = self.engine
@@ -235,7 +236,7 @@ class ShardedParams(Strategy):
             staged = full.is_cuda and self.engine.staging
             if staged:
                 full, owned = full.new_empty(full.shape, device="cpu"), owned.cpu()
-            self.engine.colls.allgather(full, bucket.counts, owned)
+            self.engine.gather(bucket, full, owned)
             if staged:
                 bucket.param_flat.copy_(full)
         except BaseException as exc:  # noqa: BLE001 - raised by gather() in the thread that needs the unit

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..base.durable import FAULTS, human_bytes, sha256_file
 from ..base.errors import CheckpointError, HpctrainError, StorageError, brief, describe
+from ..trace.spans import TRACER
 from .ckptboxes import Reader
 from .ckptformat import (FORMAT, MARKER, RANKS, STATE, assign_writers, decode_json, discard, expected_files,
                          join_tensors, layout_digest, meta_digest, part_header, part_name, piece, read_part,
@@ -342,6 +343,7 @@ class CheckpointManager:
             self._writer.finish()
             self._writer.join()
         stall = time.perf_counter() - start
+        TRACER.span("checkpoint stall", start, start + stall, step=step)
         self.stall_seconds += stall
         if self.asynchronous and not wait:
             self.async_stalls.append(stall)

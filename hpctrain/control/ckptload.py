@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..base.errors import HpctrainError
+from ..base.errors import CheckpointError, HpctrainError
 from ..comm import full_state
 from .checkpoint import load_broadcast, read_trees, verify
 from .ckptboxes import MemoryReader, Reader
@@ -52,6 +52,10 @@ def open_checkpoint(path: Path, comm: Any, *, verified: bool = False) -> Loaded:
 
 def _format1(path: Path, state: dict[str, Any]) -> Loaded:
     """A checkpoint of format 1, read whole, as format 2's trees over a reader of the tensors in memory."""
+    if state["meta"].get("layout_free"):
+        raise CheckpointError(f"checkpoint {str(path)!r} is a split run's of format 1, written by a development "
+                            "version between issues 30 and 29 that no release had: resume it with that version, or "
+                            "start a new --run-dir")
     train = dict(state["train"])
     owns = [r.get("own") or {} for r in state["ranks"]]
     if "zero" in train["optimizer"]:  # a sharded optimizer: its layout here, each rank's slices in its own state

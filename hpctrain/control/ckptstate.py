@@ -96,6 +96,11 @@ def restore(loaded: Loaded, model: Any, optimizer: Any, sync: Any, *, scheduler:
     what this rank holds (`sync`: the gradient engine, or None for a plain model)."""
     _load_model(loaded, model, sync)
     _load_optimizer(loaded, optimizer)
+    restore_schedule(loaded, scheduler, scaler)
+
+
+def restore_schedule(loaded: Loaded, scheduler: Any, scaler: Any) -> None:
+    """Load the checkpoint's LR schedule and fp16 loss scale (either may be None: not restored)."""
     reader = loaded.reader
     if scheduler is not None and loaded.train.get("scheduler") is not None:
         scheduler.load_state_dict(reader.resolve(loaded.train["scheduler"]))

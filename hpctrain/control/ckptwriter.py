@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ..base.durable import NO_SPACE, free_bytes, fsync_dir, human_bytes
 from ..base.errors import CheckpointError, HpctrainError, describe
+from ..trace.spans import TRACER
 from .ckptformat import (MARKER, RANKS, STATE, build_index, discard, meta_digest, part_name, save_hashed, write_bytes,
                          write_part)
 
@@ -117,6 +118,7 @@ class AsyncWriter:
         finally:
             self.write_seconds += time.perf_counter() - start
             self.write_cpu_seconds += time.thread_time() - cpu
+            TRACER.span("checkpoint write", start, time.perf_counter(), step=job["step"])
 
     def finish(self) -> None:
         """Every rank's part is written (or failed): rank 0 gathers the checksums and completes the

@@ -69,12 +69,15 @@ class Rates:
         return out
 
 
-def rates(precision: str, shardset: ShardSet, model: Any, comm: Any, device: Any) -> Rates:
+def rates(precision: str, shardset: ShardSet, model: Any, comm: Any, device: Any, *,
+          flops: float | None = None) -> Rates:
     """The Rates of this run (`precision`: --precision); for a language model every rank measures its peak
-    matmul FLOP/s now (collective)."""
+    matmul FLOP/s now (collective). `flops`: the whole model's FLOPs per token, where `model` is a part of it
+    (a pipeline stage)."""
     if shardset.task != "lm":
         return Rates()
     fpt, peak = flops_and_peak(model, shardset.seq_len, comm, device, precision)
+    fpt = flops if flops is not None else fpt
     val = shardset.manifest.get("splits", {}).get("val", {})
     per_byte = val.get("tokens", 0) / val["text_bytes"] if val.get("text_bytes") else 0.0
     return Rates(targets=shardset.seq_len, flops_per_token=fpt, peak_flops=peak, tokens_per_byte=per_byte)

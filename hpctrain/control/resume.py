@@ -1,5 +1,6 @@
 """How a run resumes: which checkpoint `--resume` names, what changed in the config since, the state saved at a
-step boundary (`state`) and loaded back (`restore`), both through `ckptstate` as the library's do.
+step boundary (`state`) and loaded back (`restore`), both through `ckptstate` as the library's do (a run split
+over ranks with --tp/--pp: through `layoutfree`, in the same format).
 
 The trainer asks on rank 0 (`resolve`: the latest complete checkpoint, verified, or the one named), and warns
 about every change of the config since that checkpoint (`config_changes`) before it loads the state.
@@ -9,18 +10,18 @@ from __future__ import annotations
 
 import resource
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from . import checkpoint as ckpt
-from . import ckptstate, rngstate
+from . import ckptstate, layoutfree, rngstate
 from ..base.config import TrainConfig
 from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
 from ..comm import Comm
 from ..data.shardformat import ShardSet
 from .ckptload import Loaded, open_checkpoint
+from .runstate import Start
 from .watchdog import Watchdog
 
 
@@ -31,26 +32,14 @@ def _threads() -> int:
 
 # what may change between the segments of one run without changing what it computes
 NOT_A_CHANGE = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep",
-                "stage_to", "keep_staged"}
-
-
-@dataclass(slots=True)
-class Start:
-    """Where the run starts: step 0, or a checkpoint (maybe written on another world size, mid-epoch)."""
-
-    step: int = 0
-    epoch: int = 0
-    in_epoch: int = 0  # steps of `epoch` already done on this world size
-    prior: list[tuple[int, int]] = field(default_factory=list)  # (world size, steps) of the epoch's earlier segments
-    resumed_from: int | None = None
-    path: Path | None = None
-    state: Loaded | None = None  # the checkpoint, opened (its tensors are read by `resume.restore`)
+                "stage_to", "keep_staged", "tp", "pp", "micro_batches", "pipeline_schedule"}
 
 
 def start_point(comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Watchdog, *, data: Path,
-                budget: float) -> Start:
+                budget: float, data_ranks: int) -> Start:
     """Where to start: fresh, or the checkpoint at `path` (opened: its small files read on rank 0, broadcast;
-    `budget`: the watchdog's for rank 0's reading, `data`: --data, for the message)."""
+    `budget`: the watchdog's for rank 0's reading, `data`: --data, for the message). The epoch's segments are
+    counted in data-parallel ranks (`data_ranks`: the readers' world)."""
     if path is None:
         return Start()
     watchdog.phase("opening the checkpoint", 0, budget=budget if comm.rank else None)
@@ -67,7 +56,7 @@ def start_point(comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Wat
         segments = [(meta["world_size"], meta["step_in_epoch"])]
     start = Start(step=int(meta["step"]), epoch=int(meta["epoch"]), resumed_from=int(meta["step"]), path=path,
                   state=state)
-    if segments and segments[-1][0] == comm.size:
+    if segments and segments[-1][0] == data_ranks:
         start.prior, start.in_epoch = segments[:-1], segments[-1][1]
     else:
         start.prior = segments  # elastic: a new segment of this epoch on this world size
@@ -139,14 +128,19 @@ def restore(run: Any) -> dict[str, int]:
         run.log.warning("config changed since the checkpoint: %s", change)
         if comm.rank == 0:
             print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
-    if meta["world_size"] == comm.size:  # an elastic resume is not bit-identical anyway: nothing to add
+    same = meta["world_size"] == comm.size and _layout(meta) == _layout_of(run)  # the same ranks in the same places
+    if same:  # an elastic resume is not bit-identical anyway: nothing to add
         for change in thread_change(meta.get("torch_threads")):
             run.log.warning("%s", change)
             if comm.rank == 0:
                 print(f"warning: {change}", file=sys.stderr)
-    ckptstate.restore(loaded, run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler)
+    if run.par.plain:
+        ckptstate.restore(loaded, run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler)
+    else:  # this rank's share of each whole tensor, whatever layout wrote them
+        layoutfree.restore(loaded, run.model, run.optimizer)
+        ckptstate.restore_schedule(loaded, run.scheduler, run.scaler)
     run.model.to(run.device)
-    if meta["world_size"] == comm.size:
+    if same:
         mine = ckptstate.rank_state(loaded, comm.rank)
         rngstate.restore(mine["rng"])
         if mine.get("compress") is not None:
@@ -166,12 +160,25 @@ def restore(run: Any) -> dict[str, int]:
     return known
 
 
+def _layout(meta: dict[str, Any]) -> list[int]:
+    """The (D, T, P) a checkpoint was written with (a data-parallel one's: (world size, 1, 1))."""
+    return list(meta.get("layout", [meta["world_size"], 1, 1]))
+
+
+def _layout_of(run: Any) -> list[int]:
+    lay = run.par.layout
+    return [lay.data, lay.tensor, lay.pipe]
+
+
 def state(run: Any, sink: Any, epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
-    """What a checkpoint at this step boundary holds (called only when one is written)."""
-    return ckptstate.capture(
-        run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler,
-        rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
-        meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
-              "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
-              "config": run.cfg.to_dict(), "schedule_steps": run.total_steps,
-              "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None)})
+    """What a checkpoint at this step boundary holds (called only when one is written): a split run's model
+    and optimizer as each rank's shares of the whole tensors (`layoutfree.capture`)."""
+    rank_state = {"rng": rngstate.capture(), "audit_lines": sink.flush_audit()}
+    meta = {"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
+            "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
+            "config": run.cfg.to_dict(), "schedule_steps": run.total_steps, "layout": _layout_of(run),
+            "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None)}
+    if not run.par.plain:
+        return layoutfree.capture(run, rank_state=rank_state, meta=meta)
+    return ckptstate.capture(run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler,
+                             rank_state=rank_state, meta=meta)

@@ -19,6 +19,7 @@ from ..comm import Comm, GradSync, ShardedOptimizer
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..base.rankenv import RankEnv
+from ..trace.spans import TRACER
 from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 
@@ -115,12 +116,13 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
 
 
 class _Clock:
-    """Seconds per phase of a step, summed into `phases` (nothing at all when it is None); the time inside
-    the gradient hooks is taken out of backward and counted as `hooks`."""
+    """Seconds per phase of a step, summed into `phases` (the time inside the gradient hooks taken out of
+    backward and counted as `hooks`), and each phase a span of the timeline when it records this step;
+    nothing at all when neither is asked for."""
 
     def __init__(self, phases: dict[str, float] | None, sync: GradSync):
-        self.phases, self.sync = phases, sync
-        if phases is not None:
+        self.phases, self.sync, self.on = phases, sync, phases is not None or TRACER.active
+        if self.on:
             self.hooks = sync.hook_seconds
             self.last = time.perf_counter()
             gathers = getattr(sync.strategy, "gather_seconds", None)  # ZeRO 3
@@ -135,15 +137,18 @@ class _Clock:
                 self.phases[key] = self.phases.get(key, 0.0) + now - before
 
     def lap(self, phase: str) -> None:
-        if self.phases is None:
+        if not self.on:
             return
         now = time.perf_counter()
-        spent = now - self.last
-        if phase == "backward":
-            hooks, self.hooks = self.sync.hook_seconds - self.hooks, self.sync.hook_seconds
-            self.phases["hooks"] = self.phases.get("hooks", 0.0) + hooks
-            spent -= hooks
-        self.phases[phase] = self.phases.get(phase, 0.0) + spent
+        if TRACER.active:
+            TRACER.span(phase, self.last, now)
+        if self.phases is not None:
+            spent = now - self.last
+            if phase == "backward":
+                hooks, self.hooks = self.sync.hook_seconds - self.hooks, self.sync.hook_seconds
+                self.phases["hooks"] = self.phases.get("hooks", 0.0) + hooks
+                spent -= hooks
+            self.phases[phase] = self.phases.get(phase, 0.0) + spent
         self.last = now
 
 
@@ -176,15 +181,17 @@ def make_optimizer(cfg: OptimizerConfig, params: Any) -> Any:
 
 
 def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: Any, comm: Comm, overlap: bool, *,
-              reduce: str | None = None) -> tuple[GradSync, Any]:
+              reduce: str | None = None, alone: Any = ()) -> tuple[GradSync, Any]:
     """The gradient sync and the optimizer of a run, from its communication, ZeRO and optimizer sections: an
     allreduce and a plain optimizer, or with --zero 1-3 a reduce-scatter and an optimizer that steps only this
     rank's slices (parameters become bucket views; at stage 3 gathered by module only while in use);
-    `reduce` overrides --zero-reduce (a resume keeps the reducer its checkpoint was written with)."""
+    `reduce` overrides --zero-reduce (a resume keeps the reducer its checkpoint was written with); each
+    parameter of `alone` is a bucket by itself (a pipeline's tied embedding/head, whose reduced gradient is then
+    summed between two stages)."""
     optimizer = make_optimizer(opt, model.parameters())
     sync = GradSync(model.parameters(), comm, stage=zero.zero, module=model, bucket_mb=wire.bucket_mb,
                     overlap=overlap, compress=wire.grad_compression, hierarchical=wire.hierarchical,
-                    deterministic=wire.deterministic, reduce=reduce or zero.zero_reduce)
+                    deterministic=wire.deterministic, reduce=reduce or zero.zero_reduce, alone=alone)
     return sync, (ShardedOptimizer(optimizer, sync) if zero.zero else optimizer)
 
 
@@ -196,6 +203,7 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
     runs a forward for every step of the pass, empty batches included."""
     import torch
 
+    started = time.perf_counter()
     model.eval()
     loss_sum = correct = n = 0.0
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
@@ -214,6 +222,7 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
             correct += float((out.argmax(1) == y).sum())
             n += y.numel()
     model.train()
+    TRACER.span("validation", started, time.perf_counter())
     if watchdog is not None:
         watchdog.phase("validation reduction", step)
     loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])

@@ -6,7 +6,9 @@ them there), build the model on rank 0 and broadcast it, find where to start (fr
 a checkpoint, maybe of another world size), then loop over epochs and steps (read this rank's batch ->
 forward -> backward with bucketed, overlapped gradient allreduce -> optimizer step), validate after every
 epoch, checkpoint by policy and on a stop signal, and write metrics.jsonl, summary.json and model.pt.
-Each step of that list is one function below; `Run` holds what they build.
+Each step of that list is one function below; `Run` (runstate.py) holds what they build. A model split over
+the ranks (--tp, --pp) is cut after the broadcast, and its step, validation and whole model go through
+`hybrid.Parallel`; the readers and the gradient sync then run over the data-parallel group.
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 
 from . import checkpoint as ckpt
-from . import lm, resume, runlog
+from . import hybrid, lm, resume, runlog
 from . import plan as memplan
-from ..comm import Comm, GradSync, world
+from ..comm import Comm, world
 from ..base.config import TrainConfig
-from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, ZeroConfig
+from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, ParallelConfig, ZeroConfig
 from ..data import staging
 from ..data.reader import ShardReader, epoch_remainder
 from ..data.shardformat import ShardSet, load_manifest
@@ -40,8 +41,10 @@ from .runlog import RunLog
 from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
 from .precision import LossScaler
-from .step import auto_overlap, evaluate, lr_factor, make_sync, param_sha256, train_step
-from .watchdog import Watchdog
+from .step import auto_overlap, lr_factor, make_sync
+from .runstate import Outcome, Run
+from .tracing import Timeline
+from .watchdog import Watchdog, end_job
 
 
 class StopRequested(HpctrainError):
@@ -84,7 +87,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
     finally:
         cancel_deadline()
     if comm is not None and comm.size > 1 and not error.agreed:
-        _end_job(comm, error)
+        end_job(comm, error)
     raise error
 
 
@@ -97,18 +100,6 @@ def _agree_at_start_up(comm: Comm, error: HpctrainError | None, step: int) -> No
         error = StopRequested(f"stopped by {name} during start-up, before step {step + 1}: nothing new to save; "
                               "run the same command to continue")
     comm.agree(error)
-
-
-def _end_job(comm: Comm, error: HpctrainError) -> None:
-    """This rank failed alone (a corrupt chunk in its shard, a failed allreduce, a full disk): the others
-    are already on their way into the next collective and would wait for it forever. Say why here, on
-    this rank's stderr and log, then end every rank of the job (MPI_Abort) with the error's exit code."""
-    text = str(error).replace("\n", " ")
-    if not text.startswith(f"rank {comm.rank}"):
-        text = f"rank {comm.rank}: {text}"
-    logging.getLogger(f"hpctrain.rank{comm.rank}").error("%s; ending the job", text)
-    print(f"error: {text}; ending the job (the other ranks would wait for this one)", file=sys.stderr, flush=True)
-    comm.abort(error.exit_code)
 
 
 def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitStack) -> dict[str, Any]:
@@ -124,21 +115,31 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
                                             abort=comm.abort).start())
     watchdog.at_edge(edge_budget(cfg.collective_timeout))  # start-up, until the first step is done
     cancel_deadline()  # MPI is up and the watchdog watches from here
-    shardset, model, device, resume_path, warnings, plan = _check_inputs(cfg, comm, env, watchdog)
+    shardset, model, device, resume_path, warnings, plan, layout = _check_inputs(cfg, comm, env, watchdog)
     log = _open_run_dir(cfg, comm, env, device, watchdog, stack, warnings)
+    timeline = Timeline(cfg.run_dir, cfg.trace, comm, env=env, watchdog=watchdog)  # --trace, and the test hooks
+    stack.callback(timeline.abandon)
     staged = staging.Staged()
     if plan is not None:  # --stage-to: this rank's files copied to node-local disk, read there, removed on any exit
         watchdog.phase("staging the shards (every rank copies its own)", 0, budget=cfg.checkpoint_timeout)
         shardset, staged = staging.stage(plan, shardset, comm, keep=cfg.keep_staged, on_exit=stack.callback, log=log.info)
         watchdog.idle()
     _share_initial_weights(cfg, comm, model, device, watchdog)
-    start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout)
-    run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack)
+    watchdog.phase("start-up: splitting the model over the ranks (--tp/--pp)", 0)
+    par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device=device, precision=cfg.precision,
+                       batch_rows=cfg.batch_size * cfg.accumulate, row=hybrid.sample_row(shardset), seed=cfg.seed,
+                       watchdog=watchdog)
+    watchdog.idle()
+    model = par.model(model)  # a split run keeps its stage only: the whole model is freed here
+    start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout,
+                               data_ranks=par.data.size)
+    run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack, par)
+    run.staged, run.timeline = staged, timeline
     planned = memplan.for_run(cfg.model, shardset, world=comm.size, zero=cfg.zero, runtime=runtime, work=memplan.Workload(
-        cfg.optimizer, cfg.precision, cfg.batch_size, cfg.bucket_mb, cfg.momentum))
+        cfg.optimizer, cfg.precision, cfg.batch_size, cfg.bucket_mb, cfg.momentum)) if par.plain else (
+        "no memory plan: the plan does not model a run split with --tp/--pp")
     run.plan = planned if isinstance(planned, memplan.Plan) else None
     log.info("%s", memplan.line(planned) if run.plan is not None else planned)
-    run.staged = staged
     audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg.run_dir, cfg.audit_samples, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up agreement", start.step)
@@ -150,61 +151,20 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     return _finish(run, sink, outcome)
 
 
-@dataclass(slots=True)
-class Run:
-    """What one rank's run is made of, built once by `_build`."""
-
-    cfg: TrainConfig
-    comm: Comm
-    log: logging.Logger
-    watchdog: Watchdog
-    shardset: ShardSet
-    model: Any
-    device: Any
-    start: resume.Start
-    reader: ShardReader  # the epochs after the first
-    first_reader: ShardReader  # the first epoch: the rest of an elastic one, or `reader`
-    val_reader: ShardReader | None
-    optimizer: Any
-    scheduler: Any
-    sync: GradSync
-    manager: ckpt.CheckpointManager
-    loss_fn: Any
-    total_steps: int
-    rates: lm.Rates  # targets per sample (seq_len for token rows), and what tokens_per_s and mfu need
-    scaler: LossScaler | None  # fp16's loss scale
-    audit_frozen: dict[str, int] = field(default_factory=dict)  # audit files of ranks beyond this world size
-    staged: staging.Staged = field(default_factory=staging.Staged)  # what --stage-to copied
-    plan: memplan.Plan | None = None  # the memory plan (hpctrain plan) the run logs and checks its peak against
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What the loop leaves for the summary."""
-
-    step: int
-    started: float = field(default_factory=time.perf_counter)
-    samples: int = 0
-    epoch_loss: float = 0.0  # this rank's summed loss and samples in the current epoch
-    epoch_n: float = 0.0
-    last_val: dict[str, float] = field(default_factory=dict)
-    paused: float = 0.0  # seconds of validation inside the loop (not training: the rates leave them out)
-    val_step: int = -1  # the step whose model last_val measured
-    stop_signal: int | None = None
-
-
 def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog) -> tuple[Any, ...]:
     """Check everything before anything is written, on every rank, and agree; then rank 0 alone finds and
-    verifies the checkpoint to resume from (checksums read every byte). (shardset, model, device, path, warnings, plan)"""
+    verifies the checkpoint to resume from (checksums read every byte). (shardset, model, device, path, warnings, plan,
+    layout)"""
     import torch
 
     error: HpctrainError | None = None
-    shardset, model, resume_path, warnings, plan = None, None, None, [], None
+    shardset, model, resume_path, warnings, plan, layout = None, None, None, [], None, None
     device = torch.device("cpu")
     try:
         device = torch.device(select_device(env, torch.cuda.device_count() if torch.cuda.is_available() else 0))
         shardset = load_manifest(cfg.data)
-        shardset.check_world(comm.size)
+        if cfg.tp * cfg.pp == 1:  # else the layout's check below: D must divide the shards
+            shardset.check_world(comm.size)
         if cfg.stage_to is not None:
             plan = staging.plan(shardset, cfg.stage_to, env, comm.rank, comm.size, owner=str(cfg.run_dir.resolve()))
         if cfg.tensorboard and comm.rank == 0:
@@ -216,6 +176,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
             raise ConfigError(f"--init-weights {str(cfg.init_weights)!r} not found")
         torch.manual_seed(cfg.seed)
         model = lm.build(cfg.model, shardset)  # a classifier of the samples, or a language model of the tokens
+        layout = hybrid.layout_for(cfg.section(ParallelConfig), comm.size, model, cfg.model, shardset)
     except HpctrainError as exc:
         error = exc
     watchdog.phase("start-up checks", 0)
@@ -232,7 +193,7 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
     comm.agree(error if comm.rank == 0 else None)
     resume_path = comm.bcast(resume_path)
     watchdog.idle()
-    return shardset, model, device, resume_path, warnings, plan
+    return shardset, model, device, resume_path, warnings, plan, layout
 
 
 def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watchdog: Watchdog,
@@ -277,26 +238,27 @@ def _share_initial_weights(cfg: TrainConfig, comm: Comm, model: Any, device: Any
 
 
 def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watchdog: Watchdog, shardset: ShardSet,
-           model: Any, device: Any, start: resume.Start, stack: contextlib.ExitStack) -> Run:
-    """Readers, optimizer, LR schedule over the planned steps, gradient sync and checkpoint manager."""
+           model: Any, device: Any, start: Any, stack: contextlib.ExitStack, par: hybrid.Parallel) -> Run:
+    """Readers of this replica's shards (over the data-parallel group), optimizer, LR schedule over the planned
+    steps, gradient sync and checkpoint manager."""
     import torch
 
-    batch = cfg.batch_size * cfg.accumulate
+    batch, dp = cfg.batch_size * cfg.accumulate, par.data
     reader = stack.enter_context(contextlib.closing(ShardReader(
-        shardset, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed)))
+        shardset, "train", rank=dp.rank, world=dp.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed)))
     first_reader = reader
     if start.prior:
         done = epoch_remainder(shardset, "train", start.prior, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
                                epoch=start.epoch)
         first_reader = stack.enter_context(contextlib.closing(ShardReader(
-            shardset, "train", rank=comm.rank, world=comm.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
+            shardset, "train", rank=dp.rank, world=dp.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
             exclude=done, segment=len(start.prior))))
         log.info("elastic resume: %d samples of epoch %d done on %s; %d left for %d ranks", len(done), start.epoch,
-                 start.prior, int(first_reader.counts.sum()), comm.size)
+                 start.prior, int(first_reader.counts.sum()), dp.size)
     val_reader = None
     if "val" in shardset.splits:
         val_reader = stack.enter_context(contextlib.closing(ShardReader(
-            shardset, "val", rank=comm.rank, world=comm.size, batch_size=max(cfg.batch_size, 256), shuffle=False,
+            shardset, "val", rank=dp.rank, world=dp.size, batch_size=max(cfg.batch_size, 256), shuffle=False,
             prefetch=0)))
     total_steps = start.step
     if start.epoch < cfg.epochs:
@@ -308,7 +270,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     watchdog.phase("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""), start.step)
     kept = resume.kept_reducer(cfg.section(ZeroConfig), start.state, comm.size)
     sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model,
-                                comm, overlap, reduce=kept)
+                                dp, overlap, reduce=kept, alone=par.tied)
     stack.callback(sync.close)
     watchdog.idle()
     scheduler = torch.optim.lr_scheduler.LambdaLR(getattr(optimizer, "inner", optimizer),
@@ -324,11 +286,11 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
         on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
     watchdog.phase("start-up: every rank measures its peak FLOP/s (language models)", start.step)
-    rates = lm.rates(cfg.precision, shardset, model, comm, device)
+    rates = lm.rates(cfg.precision, shardset, model, comm, device, flops=par.flops_per_token)
     watchdog.idle()
     return Run(cfg, comm, log, watchdog, shardset, model, device, start, reader, first_reader, val_reader, optimizer,
                scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps, rates,
-               LossScaler() if cfg.precision == "fp16" else None)
+               LossScaler() if cfg.precision == "fp16" else None, par=par)
 
 
 def _loop(run: Run, sink: RunLog) -> Outcome:
@@ -343,26 +305,27 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
         in_epoch = start.in_epoch if first else 0
         done_before = start.prior if first else []
         run.model.train()
-        batches = reader.epoch(epoch, in_epoch)
+        batches = run.timeline.batches(reader.epoch(epoch, in_epoch), out.step)  # each step marked on the timeline
         t_data = time.perf_counter()
         for batch in batches:
             t0 = time.perf_counter()
             rows = int(reader.step_sizes(in_epoch).sum())
             watchdog.phase("gradient allreduce", out.step + 1)
-            loss = train_step(run.model, run.sync, run.optimizer, run.loss_fn, batch.x, batch.y,
-                              rows * run.rates.targets, clip_grad=cfg.clip_grad, device=run.device,
-                              accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler)
+            loss = run.par.step(run.model, run.sync, run.optimizer, run.loss_fn, batch.x, batch.y,
+                                rows * run.rates.targets, clip_grad=cfg.clip_grad, device=run.device,
+                                accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler, step=out.step + 1)
             watchdog.idle()
             if out.step == start.step:  # the first step is done: the steady state's deadline from here on
                 watchdog.at_edge(None)
             run.scheduler.step()
             out.step, in_epoch, out.samples = out.step + 1, in_epoch + 1, out.samples + rows
-            out.epoch_loss, out.epoch_n = out.epoch_loss + loss, out.epoch_n + batch.y.size  # per target
-            sink.step(epoch, batch.index, loss, time.perf_counter() - t0, run.sync.comm_seconds, t0 - t_data)
+            index = batch.index if run.par.reporter else batch.index[:0]  # one rank per replica counts its samples
+            out.epoch_loss, out.epoch_n = out.epoch_loss + loss, out.epoch_n + batch.y.size * run.par.reporter
+            sink.step(epoch, index, loss, time.perf_counter() - t0, run.sync.comm_seconds, t0 - t_data)
             end_of_epoch, last = in_epoch == reader.steps_per_epoch, out.step >= run.total_steps
             if sink.due(out.step, end_of_epoch, last):
                 _log_window(run, sink, out, epoch, end_of_epoch)
-            position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (comm.size, in_epoch)])
+            position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (run.par.data.size, in_epoch)])
             watchdog.phase("stop/checkpoint agreement", out.step)
             stopping = run.manager.save(out.step, lambda: resume.state(run, sink, *position), stop_requested=STOP.requested,
                                         final=last)
@@ -393,8 +356,8 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
     if end_of_epoch and run.val_reader is not None:
         started = time.perf_counter()
         watchdog.at_edge(edge_budget(run.cfg.collective_timeout))  # its reduction waits for the slowest rank's pass
-        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=out.step,
-                                precision=run.cfg.precision, every_batch=run.cfg.zero == 3)
+        out.last_val = run.par.evaluate(run.model, run.val_reader, watchdog=watchdog, step=out.step,
+                                        precision=run.cfg.precision, every_batch=run.cfg.zero == 3)
         watchdog.at_edge(None)
         out.last_val.update(run.rates.validation(out.last_val))
         out.val_step = out.step
@@ -428,9 +391,10 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     paused = out.paused + run.manager.stall_seconds
     samples_per_s = out.samples / max(train_time - paused, 1e-9) if out.samples else None
     if out.val_step != step and run.val_reader is not None:  # the final model's, not an earlier epoch's
-        out.last_val = evaluate(run.model, run.val_reader, comm, watchdog=watchdog, step=step, precision=cfg.precision,
-                                every_batch=cfg.zero == 3)
+        out.last_val = run.par.evaluate(run.model, run.val_reader, watchdog=watchdog, step=step, precision=cfg.precision,
+                                        every_batch=cfg.zero == 3)
         out.last_val.update(run.rates.validation(out.last_val))
+    traced = run.timeline.close()  # with --trace: RUN/trace.json and the straggler verdict (rank 0)
     watchdog.phase("memory reductions", step)
     memory = memplan.measured(run.sync, run.optimizer, comm, run.log.info)  # before the final model (whole on rank 0)
     unplanned = memplan.departure(run.plan, memory) if run.plan is not None else None
@@ -438,27 +402,25 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         run.log.warning("%s", unplanned)
         if comm.rank == 0:
             print(f"warning: {unplanned}", file=sys.stderr)
-    watchdog.phase("the final model (ZeRO 3 gathers it unit by unit)", step)
-    digest, whole = param_sha256(run.model, run.sync, keep=comm.rank == 0)
-    watchdog.phase("summary reductions", step)
-    hashes = comm.allgather(digest)
+    watchdog.phase("summary reductions; the final model (ZeRO 3 gathers it unit by unit)", step)
+    whole, digest, in_sync = run.par.finish_state(run.model, run.sync)
     e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
     final_loss = sink.last_epoch_loss(comm) if e_n == 0 else e_loss / e_n
     watchdog.idle()
     m = run.manager
     summary = {
         "world_size": comm.size, "epochs": math.ceil(step / max(1, run.reader.steps_per_epoch)), "steps": step,
-        "global_batch_size": cfg.batch_size * cfg.accumulate * comm.size, "train_loss": final_loss,
+        "global_batch_size": cfg.batch_size * cfg.accumulate * run.par.data.size, "train_loss": final_loss,
         "val_loss": out.last_val.get("val_loss"), "val_accuracy": out.last_val.get("val_accuracy"),
         "samples_per_s": samples_per_s, "train_time_s": train_time, "paused_s": paused,
-        "param_sha256": digest, "ranks_in_sync": len(set(hashes)) == 1, "resumed_from": run.start.resumed_from,
+        "param_sha256": digest, "ranks_in_sync": in_sync, "resumed_from": run.start.resumed_from,
         "model": cfg.model, "data": str(cfg.data), "data_fingerprint": run.shardset.fingerprint,
         "staged_bytes": run.staged.total_bytes, "staging_s": run.staged.max_seconds, "precision": cfg.precision,
         "grad_compression": cfg.grad_compression, "wire_bytes_per_step": run.sync.wire_bytes,
-        "zero": cfg.zero, "zero_reduce": getattr(run.sync, "reduce", None),
+        "zero": cfg.zero, "zero_reduce": getattr(run.sync, "reduce", None), **run.par.summary(),
         "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
         "torch_threads": torch.get_num_threads(), **run.rates.summary(samples_per_s or 0.0, out.last_val),
-        "checkpoint": m.summary(cfg.checkpoint_every == "auto", train_time),
+        "checkpoint": m.summary(cfg.checkpoint_every == "auto", train_time), **traced,
         "memory": {**memory, "plan": memplan.as_dict(run.plan) if run.plan is not None else None},
     }
     if comm.rank == 0:
@@ -471,8 +433,9 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         except OSError as exc:  # a full disk: one line that says which file, and the free bytes
             raise write_failure(exc, path) from exc
     run.log.info("done: %s", json.dumps(summary))
-    if not summary["ranks_in_sync"]:
-        error = HpctrainError(f"ranks ended with different parameters ({sorted(set(hashes))}); this is a bug, please report it")
+    if not in_sync:
+        error = HpctrainError("ranks ended with different parameters (the replicas, or the tensor-parallel ranks' "
+                              "whole tensors, differ); this is a bug, please report it")
         error.agreed = True  # every rank saw the same hashes
         raise error
     return summary

@@ -10,12 +10,23 @@ the next collective. A thread on every rank writes a heartbeat file once a secon
 the timeout, reads the other ranks' heartbeats to say which ranks it is waiting for (behind, or silent: dead
 or stuck), logs that on stderr and in the rank's log, and aborts the whole job through MPI. The run
 directory is on a filesystem every rank sees, as on any cluster.
+
+The thread also notices when its own process did not run for a while (stopped, or starved of CPU: its sleep
+took seconds longer than asked), and says so in the heartbeat and the flight record. Before it aborts, and
+whenever a wait has taken half its budget (so that every rank stuck in the same
+collective has dumped by the time the first one fires), the thread dumps the flight recorder of
+collectives (RUN/logs/rank-NNNN.flight.json); rank 0 lines up the dumps it finds in its abort message. A
+stop signal (SIGTERM, SIGUSR2) that finds the rank inside a wait dumps it too: the main thread, blocked in
+MPI, cannot run the signal's Python handler, but the signal's byte on the wakeup fd reaches this thread.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -23,7 +34,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..base.durable import write_text
+from ..base.errors import HpctrainError
+from ..base.stop import STOP_SIGNALS
 from ..base.threads import join_logged
+from ..trace.flight import RECORDER
+from ..trace.lineup import line_up, read_dumps
 
 
 class Watchdog:
@@ -42,6 +57,10 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired: str | None = None
+        self._dumped = 0.0  # the wait (its start time) whose flight record this rank has dumped
+        self._signal: tuple[int, float, float] | None = None  # a stop signal: (number, when, the wait it found)
+        self._wakeup: tuple[int, int, int] | None = None  # (read end, write end, the previous wakeup fd)
+        RECORDER.configure(rank, None, world)  # no dumps until the run directory exists (`attach`)
 
     def __enter__(self) -> "Watchdog":
         return self
@@ -54,6 +73,14 @@ class Watchdog:
         checked), and log there too."""
         self.dir = Path(run_dir) / "logs"
         self.log = log or self.log
+        path = self.dir / f"rank-{self.rank:04d}.flight.json"
+        if self.rank == 0:  # an earlier run's dumps are kept, apart: the next dumps line up this run's only
+            old = list(self.dir.glob("rank-*.flight.json"))
+            if old:
+                (self.dir / "previous").mkdir(exist_ok=True)
+                for dump in old:
+                    dump.replace(self.dir / "previous" / dump.name)
+        RECORDER.configure(self.rank, path, self.world)
 
     def start(self) -> "Watchdog":
         if self.world > 1:
@@ -61,6 +88,7 @@ class Watchdog:
                 self._beat()
             except OSError:
                 pass
+            self._wakeup = _wakeup_pipe()
             self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -72,6 +100,7 @@ class Watchdog:
         default = self.timeout if self._edge is None else self._edge
         self._budget = default if budget is None else budget
         self._phase = name
+        RECORDER.phase, RECORDER.step = name, self._step
 
     def at_edge(self, budget: float | None) -> None:
         """From now on, waits get `budget` by default instead of the collective timeout (None: back to it).
@@ -90,11 +119,19 @@ class Watchdog:
 
     def idle(self) -> None:
         self._phase = None
+        RECORDER.phase = None
 
     def close(self) -> None:
         self._stop.set()
         join_logged(self._thread, 5 * self.interval + 5, "heartbeat")
         self._thread = None
+        if self._wakeup is not None:
+            read, write, previous = self._wakeup
+            self._wakeup = None
+            if threading.current_thread() is threading.main_thread():
+                signal.set_wakeup_fd(previous)
+                os.close(read)
+                os.close(write)
         if self.dir is not None:
             try:
                 (self.dir / f"rank-{self.rank:04d}.heartbeat").unlink()
@@ -106,7 +143,8 @@ class Watchdog:
             return
         write_text(self.dir / f"rank-{self.rank:04d}.heartbeat",
                    json.dumps({"rank": self.rank, "step": self._step, "phase": self._phase, "since": self._since,
-                               "time": time.time(), "pid": os.getpid()}))
+                               "time": time.time(), "pid": os.getpid(), "frozen_s": RECORDER.frozen_s,
+                               "frozen_until": RECORDER.frozen_until}))
 
     def _others(self, now: float) -> list[str]:
         """Who this rank is waiting for: ranks behind it, or silent for longer than a few beats."""
@@ -142,9 +180,33 @@ class Watchdog:
                               f"{beat['step']})")
         return silent
 
+    def _sleep(self) -> bool:
+        """One interval (False: stop); a stop signal that arrives meanwhile is noted with the wait it finds."""
+        if self._wakeup is None:
+            return not self._stop.wait(self.interval)
+        ready, _, _ = select.select([self._wakeup[0]], [], [], self.interval)
+        if ready:
+            try:
+                got = os.read(self._wakeup[0], 64)
+            except OSError:
+                got = b""
+            stops = [n for n in got if n in STOP_SIGNALS]
+            if stops and self._phase is not None:
+                self._signal = (stops[-1], time.time(), self._since)
+        return not self._stop.is_set()
+
+    def _dump(self, reason: str) -> None:
+        """This rank's flight record, once per wait."""
+        if self._dumped != self._since:
+            self._dumped = self._since
+            RECORDER.dump(reason)
+
     def _run(self) -> None:
-        next_look = 0.0
-        while not self._stop.wait(self.interval):
+        next_look, last = 0.0, time.monotonic()
+        while self._sleep():
+            gap, last = time.monotonic() - last - self.interval, time.monotonic()
+            if gap > max(3 * self.interval, 2.0):  # this process did not run: stopped (SIGSTOP) or starved of CPU
+                RECORDER.frozen_s, RECORDER.frozen_until = gap, time.time()
             try:
                 self._beat()
             except OSError:
@@ -154,6 +216,13 @@ class Watchdog:
             waited = now - self._since
             if phase is None:
                 continue
+            if self._signal is not None and self._signal[2] == self._since:  # a stop that finds this rank stuck
+                signum, at, _ = self._signal
+                if signum == signal.SIGTERM or now - at >= 1.0:  # SIGTERM: a kill may follow at once
+                    self._dump(f"{signal.Signals(signum).name} while in {phase} at step {self._step} "
+                               f"(waiting {waited:.0f} s)")
+            if budget > 0 and waited > budget / 2:
+                self._dump(f"{phase} at step {self._step} waiting {waited:.0f} s (half its budget of {budget:g} s)")
             if budget > 0 and waited > budget:
                 others = self._others(now) or ["no rank found behind: a network or MPI problem"]
                 option = "--collective-timeout" if budget == self.timeout else "its budget,"
@@ -173,8 +242,47 @@ class Watchdog:
                     return
 
     def _fire(self, message: str) -> None:
+        self._dumped = 0.0
+        self._dump(f"watchdog: {message}")
+        if self.rank == 0 and self.dir is not None:  # rank 0 lines up the dumps it finds (the others dumped at half)
+            try:
+                found = line_up(self.world, *read_dumps(self.dir, self.world)[:2])
+                message += f"; flight records: {found['text']}"
+            except Exception as exc:  # noqa: BLE001 - the abort must happen
+                message += f"; the flight records could not be lined up ({exc!r}): run hpctrain report"
         self.fired = message
         print(f"error: {message}", file=sys.stderr, flush=True)
         if self.log is not None:
             self.log(message)
         self.abort(1)
+
+
+def _wakeup_pipe() -> tuple[int, int, int] | None:
+    """A pipe that receives the number of each signal Python handles (signal.set_wakeup_fd), or None off the
+    main thread (library use: the caller owns the process's signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:
+        os.close(read)
+        os.close(write)
+        return None
+    return read, write, previous
+
+
+def end_job(comm: Any, error: HpctrainError) -> None:
+    """This rank failed alone (a corrupt chunk in its shard, a failed allreduce, a full disk): the others
+    are already on their way into the next collective and would wait for it forever. Say why here, on
+    this rank's stderr and log, dump its flight record, then end every rank of the job (MPI_Abort) with the
+    error's exit code."""
+    text = str(error).replace("\n", " ")
+    if not text.startswith(f"rank {comm.rank}"):
+        text = f"rank {comm.rank}: {text}"
+    logging.getLogger(f"hpctrain.rank{comm.rank}").error("%s; ending the job", text)
+    RECORDER.dump(f"error: {text}")
+    print(f"error: {text}; ending the job (the other ranks would wait for this one)", file=sys.stderr, flush=True)
+    comm.abort(error.exit_code)

@@ -38,6 +38,7 @@ from ..base.durable import sha256_file
 from ..base.errors import ConfigError, DataError, HpctrainError
 from ..base.rankenv import RankEnv
 from ..base.stop import FLAG, STOP_EXIT
+from ..trace.spans import TRACER
 from .shardformat import MANIFEST, ShardFile, ShardSet
 
 PIECE = 4 << 20  # bytes per read, hash and write: the piece is still in the core's cache for the hash and
@@ -258,6 +259,7 @@ def stage(plan: StagePlan, shardset: ShardSet, comm: Any, *, keep: bool, on_exit
     except OSError as exc:  # the directory cannot be made, the manifest not copied: as a copy that fails
         error = DataError(f"staging to {str(plan.root)!r} failed: {exc}")
     seconds = time.perf_counter() - started
+    TRACER.span("staging", started, started + seconds, bytes=sizes[0])
     comm.agree(error)
     everyone = comm.allgather((sizes[0], seconds))
     staged = Staged(plan.root, len(plan.files), sizes[0], sizes[1], seconds, sum(b for b, _ in everyone),

@@ -25,7 +25,8 @@ import numpy as np
 from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
-from .benchlimit import limit_figures, plain_torch_step
+from ..control.tracing import Timeline
+from .benchlimit import limit_figures, limit_steps
 from .benchwatch import progress
 
 def parse_size(text: str) -> int:
@@ -41,7 +42,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _median_time(comm: Comm, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+def median_time(comm: Comm, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
     progress(f"timing {getattr(fn, '__name__', 'a step')}")
     for _ in range(warmup):
         fn()
@@ -70,10 +71,10 @@ def bench_allreduce(comm: Comm, sizes: list[int], *, bucket_mb: float = 25.0, it
         count = max(1, size // 4)
         reps = iters or int(min(200, max(5, (64 << 20) // max(size, 1) // 4)))
         raw = np.ones(count, np.float32)
-        raw_s = _median_time(comm, lambda: comm.allreduce_inplace(raw), reps)
+        raw_s = median_time(comm, lambda: comm.allreduce_inplace(raw), reps)
         param = torch.nn.Parameter(torch.zeros(count))
         sync = GradSync([param], comm, bucket_mb=bucket_mb, overlap=False)
-        hp_s = _median_time(comm, sync.wait, reps)
+        hp_s = median_time(comm, sync.wait, reps)
         sync.close()
         bus = 2 * (n - 1) / n if n > 1 else 1.0
         rows.append({
@@ -92,19 +93,19 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
                 batch_size: int = 64, steps: int = 30, rounds: int = 3, bucket_mb: float = 25.0,
                 baseline: str | None = "ddp", overlap: bool | None = None, compress: str = "none",
                 device: str = "cpu", zero: int = 0, optimizer: str = "sgd", seq_len: int = 128,
-                vocab: int = 257) -> dict[str, Any]:
+                vocab: int = 257, trace: str | None = None) -> dict[str, Any]:
     """Step time of hpctrain's training step vs DDP-gloo on the same model/batch/data, plus scaling, and the
     memory each rank holds. With `zero` 1 or 2 the step runs at that ZeRO stage and is timed beside stage 0
     (built after the memory of the sharded step has been read, so that the peak RSS is the sharded run's).
     A language model spec (`gpt[:...]`) takes rows of `seq_len` random tokens below `vocab` instead of
-    `input_dim` features and `classes` labels (see `_workload`)."""
+    `input_dim` features and `classes` labels (see `workload`). `trace`: see `_phases`."""
     import torch
 
     from ..control.step import train_step
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
-    fresh_model, xs, ys = _workload(comm.rank, model_spec, batch_size, input_dim, classes, seq_len, vocab)
+    fresh_model, xs, ys = workload(comm.rank, model_spec, batch_size, input_dim, classes, seq_len, vocab)
     batches = itertools.cycle(list(zip(xs, ys)))  # one cycle for both steps: each takes the next batch
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
 
@@ -132,16 +133,15 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         hp_step()  # the optimizer state exists from the first step on
     memory = _memory(comm, model, sync, opt)
     lm = _lm_rates(comm, model, device, seq_len) if _is_lm(model_spec) else None
-    other = None
     if zero:
         other, _, stage0_sync, _ = stepper(0)
     else:
         other = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
-    plain = plain_torch_step(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n)
-    times = _timed_rounds(comm, {"hpctrain": hp_step, "plain": plain, "other": other}, steps, rounds,
-                          warmed=comm_times.clear)
+    limits = limit_steps(fresh_model, xs, ys, optimizer=optimizer, device=device, global_n=global_n, comm=comm)
+    times = _timed_rounds(comm, {"hpctrain": hp_step, **limits, "other": other}, steps, rounds, warmed=comm_times.clear)
     hp_times, other_times = times["hpctrain"], times.get("other", [])
     hp_ms = statistics.median(hp_times) * 1e3
+    phases, traced = _phases(comm, hp_step, steps, hp_ms, trace)  # with trace: TRACE/trace.json, and its verdict
     result: dict[str, Any] = {
         "world_size": comm.size, "model": model_spec, "parameters": params, "batch_size": batch_size,
         "torch_threads": torch.get_num_threads(), "device": str(device), "staging": sync.staging,
@@ -149,13 +149,13 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         "memory": memory,
         "hpctrain": {"step_ms": hp_ms, "samples_per_s": batch_size * comm.size / hp_ms * 1e3,
                      "comm_ms": statistics.median(comm_times) * 1e3 if comm_times else 0.0},
-        "wire_bytes_per_step": sync.wire_bytes, "phases_ms": _phases(comm, hp_step, steps, hp_ms),
+        "wire_bytes_per_step": sync.wire_bytes, "phases_ms": phases, **traced, "trace_dir": trace,
     }
     if lm is not None:  # MFU as `train` reports it: tokens/s x FLOPs per token / all ranks' peak
         result.update(lm, vocab=vocab, tokens_per_s=global_n / hp_ms * 1e3)
         result["mfu"] = result["tokens_per_s"] * lm["flops_per_token"] / lm["peak_flops"]
     raw_ms = _raw_allreduce_ms(comm, params) if comm.size > 1 else None
-    result.update(limit_figures(hp_times, times["plain"], raw_ms, overlap))
+    result.update(limit_figures(hp_times, times["plain"], raw_ms, overlap, times.get("handwritten")))
     if zero:
         return _beside_stage0(result, other_times, sync, stage0_sync)
     if other:
@@ -182,15 +182,21 @@ def _beside_stage0(result: dict[str, Any], stage0_times: list[float], sync: Any,
     return result
 
 
-def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float) -> dict[str, float]:
+def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float,
+            trace: str | None) -> tuple[dict[str, float], dict[str, Any]]:
     """Where a step's time goes (ms per step, the slowest rank's per phase): zero, forward, backward, hooks,
-    wait, optimizer, and `other` (data, Python, the rest of the step beside the timed one)."""
+    wait, optimizer, and `other` (data, Python, the rest of the step beside the timed one); with `trace` (a
+    directory), the pass on every rank's timeline, merged into TRACE/trace.json: its summary entries."""
     phases: dict[str, float] = {}
     progress("the phases of a step")
+    timeline = Timeline(trace, f"1:{steps}", comm) if trace is not None else None
     comm.barrier()
-    for _ in range(steps):
+    for i in range(steps):
         progress()
+        if timeline is not None:
+            timeline.step(i + 1)
         step(phases)
+    traced = timeline.close() if timeline is not None else {}
     names = ("zero", "forward", "backward", "hooks", "wait", "optimizer")
     values = comm.allreduce_array([phases.get(k, 0.0) / steps * 1e3 for k in names], op="max")
     out = dict(zip(names, (float(v) for v in values)))
@@ -198,7 +204,7 @@ def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float) -
     if "gathers" in phases:  # ZeRO 3, inside forward and backward: the gathers, and the part they were waited for
         got = comm.allreduce_array([phases["gathers"] / steps * 1e3, phases["gather_wait"] / steps * 1e3], op="max")
         out.update(gathers=float(got[0]), gather_wait=float(got[1]))
-    return out
+    return out, traced
 
 
 def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs: list[Any], ys: list[Any],
@@ -257,7 +263,7 @@ def _is_lm(model_spec: str) -> bool:
     return model_spec.partition(":")[0] == "gpt"
 
 
-def _workload(rank: int, model_spec: str, batch_size: int, input_dim: int, classes: int, seq_len: int,
+def workload(rank: int, model_spec: str, batch_size: int, input_dim: int, classes: int, seq_len: int,
               vocab: int) -> tuple[Callable[[], Any], list[Any], list[Any]]:
     """A builder of the model (seeded, so every rank and every call builds the same weights) and eight
     batches seeded by the rank: a classifier's random features and labels, or a language model's rows of
@@ -366,7 +372,7 @@ def _timed_rounds(comm: Comm, named: dict[str, Callable[[], None] | None], steps
     first = next(iter(named))
     for _ in range(rounds):
         for name, fn in named.items():
-            times[name].append(_median_time(comm, fn, steps, warmup=1))
+            times[name].append(median_time(comm, fn, steps, warmup=1))
         bar.update(1, hpctrain_ms=f"{times[first][-1] * 1e3:.1f}")
     bar.close()
     return times
@@ -376,7 +382,7 @@ def _raw_allreduce_ms(comm: Comm, params: int) -> float:
     """One raw mpi4py `Allreduce` of all gradient bytes (float32, host memory: the bound for the staging path
     too), the slowest rank's median."""
     flat = np.ones(params, np.float32)
-    return _median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
+    return median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
 
 
 def _sync_beside_raw(comm: Comm, sync: GradSync, raw_ms: float) -> dict[str, float]:

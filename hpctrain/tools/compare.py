@@ -29,7 +29,8 @@ from typing import Any
 
 from ..base.durable import write_text
 from ..base.errors import ConfigError, DataError, HpctrainError
-from .report import epochs, load_run, new_figure, note_empty, save_png
+from .figures import new_figure, note_empty, save_png
+from .report import epochs, load_run
 
 COMPARE_FILES = {"plot": "compare.png", "table": "compare.md", "json": "compare.json"}
 """What a comparison writes into its out_dir, so the names are stable for scripts."""

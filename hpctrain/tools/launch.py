@@ -62,12 +62,16 @@ def build_command(n: int, command: Sequence[str], *, mpirun: str, cpus: int, is_
     return argv, env
 
 
-def precheck_train(data: Any, init_weights: Any, n: int) -> None:
+def precheck_train(data: Any, init_weights: Any, n: int, split: int = 1) -> None:
     """What `train` on `n` ranks would refuse at start-up and needs no MPI, checked once before mpirun starts
-    them: the data is there and its shards divide among the ranks, the --init-weights file exists."""
+    them: the data is there and its shards divide among the ranks, the --init-weights file exists. A model
+    split over `split` = tp x pp ranks has its layout checked at start-up, where the model is built (which
+    layouts fit depends on it)."""
     from ..data.shardformat import load_manifest
 
-    load_manifest(data).check_world(n)
+    shards = load_manifest(data)
+    if split == 1:
+        shards.check_world(n)
     if init_weights is not None and not os.path.isfile(init_weights):
         raise ConfigError(f"--init-weights {str(init_weights)!r} not found")
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..base.config import read_train_toml
-from ..base.durable import replacing, write_text
+from ..base.durable import write_text
 from ..base.errors import ConfigError, DataError
+from .figures import by_rank, new_figure, note_empty, save_png
 
 PLOTS = {
     "loss": "loss.png",
@@ -155,34 +156,11 @@ def rank_means(records: list[dict[str, Any]]) -> dict[str, float]:
 
 # -- plots ---------------------------------------------------------------------------------------------------
 
-def new_figure(width: float = 7.0, height: float = 4.0) -> Any:
-    """A figure drawn through its own Agg canvas (no pyplot, no global backend): safe on a login node."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def note_empty(ax: Any, note: str) -> None:
-    """An axes that says why it has no data instead of drawing an empty frame."""
-    ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="0.4")
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
 def _epoch_lines(ax: Any, metrics: list[dict[str, Any]]) -> None:
     ends = [m["step"] for m in epochs(metrics)]
     if 0 < len(ends) <= 30:  # more would hide the data
         for step in ends:
             ax.axvline(step, color="0.85", linewidth=0.8, zorder=0)
-
-
-def save_png(fig: Any, path: Path) -> None:
-    """Write the figure as a PNG whole or not at all."""
-    with replacing(path) as tmp:  # someone may be viewing the report while it is regenerated
-        fig.savefig(tmp, format="png")
 
 
 def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -284,30 +262,10 @@ def plot_timing(ranks: dict[int, list[dict[str, Any]]], path: Path, title: str) 
     bars.legend(loc="upper right", ncols=3, fontsize=9)
     bars.grid(axis="y", alpha=0.3)
     bars.set_ylim(0, max(bottom) * 1.2 or 1.0)
-    few = len(order) <= 8  # a line per rank; more ranks get the median and the min-max band across ranks
-    for col, part in enumerate(("compute", "comm", "data")):
-        ax = fig.add_subplot(grid[1, col])
-        if few:
-            for r in order:
-                ax.plot([x["step"] for x in ranks[r]], [step_parts(x)[part] for x in ranks[r]], linewidth=1,
-                        label=f"rank {r}")
-        else:
-            at: dict[int, list[float]] = {}
-            for r in order:
-                for x in ranks[r]:
-                    at.setdefault(x["step"], []).append(step_parts(x)[part])
-            steps = sorted(at)
-            ax.fill_between(steps, [min(at[t]) for t in steps], [max(at[t]) for t in steps], color=_COLORS[part],
-                            alpha=0.3, linewidth=0, label=f"min-max of {len(order)} ranks")
-            ax.plot(steps, [statistics.median(at[t]) for t in steps], color=_COLORS[part], linewidth=1,
-                    label="median rank")
-        ax.set_title(labels[part], fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        if col == 0:
-            ax.set_ylabel("ms per step")
-            ax.legend(fontsize=8)
+    for col, part in enumerate(("compute", "comm", "data")):  # a line per rank, or the median and the band
+        series = {r: ([x["step"] for x in ranks[r]], [step_parts(x)[part] for x in ranks[r]]) for r in order}
+        by_rank(fig.add_subplot(grid[1, col]), series, labels[part], "ms per step" if col == 0 else None,
+                color=_COLORS[part] if len(order) > 8 else None)
     fig.suptitle(f"Time per step by rank: {title}")
     save_png(fig, path)
 
@@ -399,26 +357,39 @@ def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
 
 # -- the command ---------------------------------------------------------------------------------------------
 
-def report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
-    """Write the PNG plots and report.md of RUN into out_dir (default RUN/report); return the written paths.
+def report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
+    """Write the PNG plots and report.md of RUN into out_dir (default RUN/report); return the written paths,
+    and under `findings` the straggler verdict and the line-up of a hang as one line each (tracereport).
 
-    Works on a finished run and on one still in progress. Bad input (no RUN, no metrics yet, an out_dir
-    that is a file) raises before anything is written.
+    Works on a finished run, on one still in progress, and on one that hung before it logged a step (its
+    flight records). Bad input (no RUN, no metrics yet and no flight record, an out_dir that is a file)
+    raises before anything is written.
     """
+    from .tracereport import hang_found, trace_report
+
     run_dir = Path(run_dir)
-    run = load_run(run_dir)
+    try:
+        run: dict[str, Any] | None = load_run(run_dir)
+    except DataError:
+        if not hang_found(run_dir):
+            raise
+        run = None  # hung before its first logged step: the flight records are the report
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"-o {str(out_dir)!r} is a file: pass a directory for the report")
     out_dir.mkdir(parents=True, exist_ok=True)
     title = run_dir.resolve().name or str(run_dir)
-    if run["summary"] is None:
-        title += " (in progress)"
-    written = {key: out_dir / name for key, name in PLOTS.items()}
-    plot_loss(run["metrics"], written["loss"], title)
-    plot_accuracy(run["metrics"], written["accuracy"], title)
-    plot_throughput(run["metrics"], written["throughput"], title)
-    plot_timing(run["ranks"], written["timing"], title)
+    if run is None or run["summary"] is None:
+        title += " (in progress)" if run is not None else " (ended before its first logged step)"
+    written: dict[str, Any] = {key: out_dir / name for key, name in PLOTS.items()}
+    plot_loss(run["metrics"] if run else [], written["loss"], title)
+    plot_accuracy(run["metrics"] if run else [], written["accuracy"], title)
+    plot_throughput(run["metrics"] if run else [], written["throughput"], title)
+    plot_timing(run["ranks"] if run else {}, written["timing"], title)
+    lines, pngs, findings = trace_report(run_dir, out_dir, title)
+    written.update(pngs)
     written["report"] = out_dir / "report.md"
-    write_text(written["report"], render_markdown(run, out_dir))
+    text = render_markdown(run, out_dir) if run else f"# Run report: `{run_dir}`\n\n**Status: ended before its first logged step.**\n"
+    write_text(written["report"], text + "\n" + "\n".join(lines))
+    written["findings"] = findings
     return written

@@ -125,9 +125,20 @@ class Draft:
     steps_per_epoch: int = 0
     expected_steps: int = 0
     note: str = ""
+    sizes: list[int] = field(default_factory=list)  # training samples per shard
+    salt: str = ""  # seed:index, for the streams of options drawn apart from `rng`
+    _layout_rng: random.Random | None = None
 
     def pick(self, *choices: Any) -> Any:
         return self.rng.choice(choices)
+
+    @property
+    def layout_rng(self) -> random.Random:
+        """The stream of --tp/--pp and the pipeline's options: one of their own, so that adding them left every
+        other option of the earlier cases as it was drawn."""
+        if self._layout_rng is None:
+            self._layout_rng = random.Random(f"hpctrain-chaos:{self.salt}:layout")
+        return self._layout_rng
 
 
 @dataclass(frozen=True)
@@ -177,13 +188,48 @@ def _max_steps(d: Draft) -> int:
     return steps
 
 
+def _tp(d: Draft) -> int | None:
+    """2 for about one in three GPT cases on an even world (every drawn GPT has 2 or 4 heads), else 1."""
+    split = d.data.lm and d.world % 2 == 0 and d.layout_rng.random() < 0.35
+    return 2 if split else None
+
+
+def _pp(d: Draft) -> int | None:
+    """2 for about one in four cases whose world (over --tp) is even and whose model has 2+ blocks; the ranks'
+    sample counts are then those of the D = W / (tp x pp) data-parallel ranks."""
+    tp = d.opts["tp"] or 1
+    one_block = d.opts["model"].startswith("gpt:layers=1")
+    pp = 2 if (d.world // tp) % 2 == 0 and not one_block and d.layout_rng.random() < 0.25 else None
+    split = tp * (pp or 1)
+    if split > 1 and len(d.sizes) % (d.world // split) == 0:
+        d.counts = rank_samples(d.sizes, d.world // split)
+    return pp
+
+
 def _lr(d: Draft) -> float:
     return d.pick(0.01, 0.05, 0.1) if d.opts["optimizer"] == "sgd" else d.pick(0.001, 0.003, 0.01)
+
+
+def _unsplit(d: Draft, value: Any) -> Any:
+    """`value`, or None in a case split by --tp/--pp (drawn all the same: the stream stays as it was)."""
+    return None if (d.opts["tp"] or 1) * (d.opts["pp"] or 1) > 1 else value
+
+
+def _zero(d: Draft, stage: int) -> int:
+    """`stage`, or 2 for 3 in a case split by --tp/--pp (which refuses --zero 3; drawn all the same: the stream
+    stays as it was)."""
+    return 2 if stage == 3 and (d.opts["tp"] or 1) * (d.opts["pp"] or 1) > 1 else stage
 
 
 def _checkpoint_timeout(d: Draft) -> float | None:
     # a stopped rank in a checkpoint write is waited for this long: short enough for the event's window
     return d.pick(10.0, 20.0, 30.0) if d.event == "stop-rank" else d.pick(None, None, 60.0, 0.0)
+
+
+def _trace(d: Draft) -> str | None:
+    # a stream of its own, seeded by what was drawn before: drawing it from the case's stream would move the
+    # target rank and the moment of every event of the fixed sample (tests/chaos/test_chaos.py)
+    return random.Random(repr(sorted(d.opts.items(), key=str))).choice((None, None, None, "1:5", "last:3", "every:2"))
 
 
 SPACE: dict[str, Drawn | Excluded] = {
@@ -192,6 +238,8 @@ SPACE: dict[str, Drawn | Excluded] = {
                   None),
     "model": Drawn("mlp, mlp:16, mlp:64,32, mlp:32:dropout=0.2, cnn (square features); token data: "
                    "gpt:layers=1,dim=32,heads=2 (or heads=4,dropout=0.1), gpt:layers=2,dim=16,heads=2", _model),
+    "tp": Drawn("1; 2 in about a third of the GPT cases on 2 or 4 ranks (a stream of its own)", _tp),
+    "pp": Drawn("1; 2 in about a quarter of the cases whose W / tp is even, but a 1-layer GPT", _pp),
     "epochs": Drawn("1-3", lambda d: d.rng.randint(1, 3)),
     "accumulate": Drawn("1, 2, 3", lambda d: d.pick(1, 1, 2, 3)),
     "batch_size": Drawn("1-256, mostly several steps per epoch", _batch_size),
@@ -207,7 +255,7 @@ SPACE: dict[str, Drawn | Excluded] = {
     "warmup": Drawn("0, 3, 20 steps", lambda d: d.pick(0, 0, 0, 3, 20)),
     "clip_grad": Drawn("0 (none), 0.5, 2", lambda d: d.pick(0.0, 0.0, 0.5, 2.0)),
     "shuffle": Drawn("on, off", lambda d: d.rng.random() < 0.7),
-    "zero": Drawn("0, 1, 2, 3", lambda d: d.pick(0, 0, 0, 1, 2, 3)),
+    "zero": Drawn("0, 1, 2, 3 (2 for 3 with --tp/--pp: refused)", lambda d: _zero(d, d.pick(0, 0, 0, 1, 2, 3))),
     "zero_reduce": Drawn("with --zero 1-3: auto, reduce-scatter-block, reduce-scatter, allreduce",
                          lambda d: d.pick(None, "reduce-scatter-block", "reduce-scatter", "allreduce")
                          if d.opts["zero"] else None),
@@ -226,12 +274,19 @@ SPACE: dict[str, Drawn | Excluded] = {
     "log_every": Drawn("1, 2, 5, 10, 25, 100", lambda d: d.pick(1, 2, 5, 10, 25, 100)),
     "collective_timeout": Drawn("10, 15, 20 s", lambda d: d.pick(10, 15, 20)),
     "checkpoint_timeout": Drawn("1800, 60, 0 (never); 10-30 s when a rank is stopped", _checkpoint_timeout),
-    "stage_to": Drawn("none, a per-run directory, auto ($TMPDIR set to one)",
-                      lambda d: d.pick(None, None, None, None, STAGE_DIR, "auto")),
+    "stage_to": Drawn("none, a per-run directory, auto ($TMPDIR set to one); none with --tp/--pp (refused)",
+                      lambda d: _unsplit(d, d.pick(None, None, None, None, STAGE_DIR, "auto"))),
     "keep_staged": Drawn("on, off with --stage-to", lambda d: d.rng.random() < 0.5 if d.opts["stage_to"] else None),
     "audit_samples": Drawn("on, off", lambda d: d.rng.random() < 0.2),
     "init_weights": Drawn("none, or a state_dict of the case's model saved once per model and data",
                           lambda d: WEIGHTS if d.rng.random() < 0.15 else None),
+    "trace": Drawn("none, 1:5, last:3, every:2 (from the options drawn before it: the sample's events stay put)",
+                   _trace),
+    "micro_batches": Drawn("with --pp: auto (4 x pp, at most the step's rows), 1, 3 (when a step has 3 rows)",
+                           lambda d: d.layout_rng.choice((None, 1, 3) if d.opts["batch_size"] * d.opts["accumulate"] >= 3
+                                                         else (None, 1)) if d.opts["pp"] else None),
+    "pipeline_schedule": Drawn("with --pp: 1f1b, gpipe", lambda d: d.layout_rng.choice((None, "gpipe"))
+                               if d.opts["pp"] else None),
     "run_dir": Excluded("set by the harness: a fresh directory per case, shared by the interrupted run and its "
                         "resume"),
     "resume": Excluded("the harness's protocol: the first run starts in an empty run directory and the second "
@@ -258,6 +313,9 @@ class Refusal:
     needs: str = ""  # the data it needs: "flat" (features not square), "lm", "classifier", "indivisible"
 
 
+UNSPLIT = dict(tp=None, pp=None, micro_batches=None, pipeline_schedule=None)  # refusals of one whole model per rank
+
+
 def _set(**values: Any) -> Callable[[Draft], None]:
     return lambda d: d.opts.update(values)
 
@@ -277,7 +335,7 @@ REFUSALS: dict[str, Refusal] = {
     "zero+hierarchical": Refusal("config", "does not combine with --hierarchical", _zero_hierarchical),
     "keep-staged alone": Refusal("config", "--keep-staged keeps the copies", _set(stage_to=None, keep_staged=True)),
     "keep 1": Refusal("config", "--keep 1 must be at least 2", _set(keep=1)),
-    "stage-to missing": Refusal("start-up", "is not a directory", _set(stage_to=STAGE_MISSING)),
+    "stage-to missing": Refusal("start-up", "is not a directory", _set(stage_to=STAGE_MISSING, **UNSPLIT)),
     "init-weights missing": Refusal("start-up", "not found", _set(init_weights=WEIGHTS_MISSING)),
     "init-weights of another model": Refusal("start-up", "does not fit model", _set(init_weights=WEIGHTS_OTHER)),
     "cnn on flat features": Refusal("start-up", "model 'cnn' needs images", _set(model="cnn", init_weights=None), "flat"),
@@ -286,7 +344,7 @@ REFUSALS: dict[str, Refusal] = {
     "mlp on token data": Refusal("start-up", "token shards need `--model gpt`", _set(model="mlp", init_weights=None), "lm"),
     "gpt heads": Refusal("start-up", "is not divisible by heads",
                          _set(model="gpt:layers=1,dim=30,heads=4", init_weights=None), "lm"),
-    "shards W does not divide": Refusal("start-up", "ranks cannot share them evenly", lambda d: None, "indivisible"),
+    "shards W does not divide": Refusal("start-up", "ranks cannot share them evenly", _set(**UNSPLIT), "indivisible"),
 }
 
 
@@ -306,7 +364,8 @@ def _comparable(**more: Any) -> Callable[[dict], None]:
 
 
 def _other_stage(rng: random.Random, o: dict) -> dict:
-    stage = rng.choice([s for s in (0, 1, 2, 3) if s != o["zero"]])
+    split = (o.get("tp") or 1) * (o.get("pp") or 1) > 1  # a split run refuses --zero 3
+    stage = rng.choice([s for s in (0, 1, 2, 3) if s != o["zero"] and not (split and s == 3)])
     return dict(o, zero=stage, zero_reduce=o["zero_reduce"] if stage else None)
 
 
@@ -434,7 +493,8 @@ def draw_case(seed: int, index: int, data: Any) -> Case:
     world = rng.choice((2, 3, 4) if event == "stop-rank" or needs == "indivisible" else (1, 2, 2, 3, 4))
     spec = draw_data(rng, world, needs)
     sizes = data.train_shard_sizes(spec)
-    d = Draft(rng, world, spec, rank_samples(sizes, world) if len(sizes) % world == 0 else sizes, event)
+    d = Draft(rng, world, spec, rank_samples(sizes, world) if len(sizes) % world == 0 else sizes, event,
+              sizes=list(sizes), salt=f"{seed}:{index}")
     for name, entry in SPACE.items():
         if isinstance(entry, Drawn) and entry.draw is not None:
             d.opts[name] = entry.draw(d)

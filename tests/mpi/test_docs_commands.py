@@ -23,7 +23,8 @@ COMMAND = re.compile(r"^\s*(\$ )?hpctrain\s", re.M)  # a line that runs hpctrain
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PAGES = [p for p in DOCS if BLOCK.search(p.read_text())]
 MADE = {"README.md": "runs/a/summary.json", "getting-started.md": "runs/a/summary.json",
-        "report.md": "www/run-a/report.md", "data-at-scale.md": "runs/a/summary.json"}
+        "report.md": "www/run-a/report.md", "data-at-scale.md": "runs/a/summary.json",
+        "parallelism.md": "runs/pipe/summary.json"}
 
 
 def _line(page: Path, offset: int) -> str:

@@ -24,20 +24,25 @@ def test_seed_template_converted(tmp_path: Path) -> None:
     assert (tmp_path / "model_epoch2.pth").exists()
 
 
-def run_loop(data: Path, run: Path, epochs: int, said: list[str] | None = None) -> dict:
+def run_loop(data: Path, run: Path, epochs: int, said: list[str] | None = None, extra: tuple[str, ...] = ()) -> dict:
     proc = mpirun(2, [str(EXAMPLES / "custom_loop.py"), "--data", str(data), "--run-dir", str(run), "--epochs",
-                      str(epochs)], python_module=False)
+                      str(epochs), *extra], python_module=False)
     if said is not None:
         said.append(proc.stdout + proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_custom_loop_with_accumulation_resumes_exactly(digits2: Path, tmp_path: Path) -> None:
-    straight = run_loop(digits2, tmp_path / "a", 4)
+    said: list[str] = []
+    straight = run_loop(digits2, tmp_path / "a", 4, said, extra=("--trace", "30:49"))  # the library's Timeline too
     assert straight["in_sync"] and straight["step"] == 4 * 23
+    assert "straggler: " in said[0] and (tmp_path / "a" / "trace.json").is_file(), said[0]
+    trace = json.loads((tmp_path / "a" / "trace.json").read_text())
+    spans = {(e["name"], e["args"]["step"]) for e in trace["traceEvents"] if e.get("cat") == "phase"}
+    assert {("forward", 30), ("backward", 49), ("wait", 40), ("optimizer", 40)} <= spans
+    said.clear()
     first = run_loop(digits2, tmp_path / "b", 2)
     assert first["step"] == 2 * 23
-    said: list[str] = []
     resumed = run_loop(digits2, tmp_path / "b", 4, said)
     assert resumed["step"] == straight["step"]
     assert resumed["param_sha256"] == straight["param_sha256"]

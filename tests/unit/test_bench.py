@@ -37,6 +37,10 @@ def test_bench_train_json() -> None:
     assert r["step_over_limit"] == pytest.approx(r["hpctrain"]["step_ms"] / r["limit_step_ms"])
     assert r["self_world_step_ms"] > 0 and "compute_only_step_ms" not in r
     assert r["self_world_over_plain"] == pytest.approx(r["self_world_step_ms"] / r["plain_torch_step_ms"])
+    # the loop a user writes by hand (plain torch, one raw allreduce per gradient), timed in the same rounds
+    assert r["handwritten_step_ms"] > 0 and len(r["step_over_handwritten_rounds"]) == 1
+    assert r["step_over_handwritten"] == pytest.approx(r["hpctrain"]["step_ms"] / r["handwritten_step_ms"])
+    assert r["handwritten_over_limit"] == pytest.approx(r["handwritten_step_ms"] / r["limit_step_ms"])
 
 
 @pytest.mark.mpi
@@ -59,3 +63,22 @@ def test_bench_train_lm_json() -> None:
 def test_bench_rejects_bad_sizes() -> None:
     proc = hpctrain(["bench", "allreduce", "-n", "1", "--sizes", "4K,lots"], check=False)
     assert proc.returncode == 2 and "lots" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_bench_train_split_json_and_its_table(capsys: pytest.CaptureFixture) -> None:
+    from pathlib import Path
+
+    from hpctrain.cli.bench import _print_parallel
+
+    paced = Path(__file__).resolve().parents[2] / "benchmarks" / "paced_blocks.py"
+    proc = hpctrain(["bench", "train", "-n", "2", "--pp", "2", "--micro-batches", "4", "--model", f"{paced}:factory",
+                     "--input-dim", "32", "--batch-size", "4", "--steps", "2", "--rounds", "1", "--json"], timeout=180)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["layout"] == {"data": 1, "tensor": 1, "pipe": 2} and r["micro_batches"] == 4
+    assert r["expected_bubble"] == pytest.approx(1 / 5) and 0 < r["bubble"] < 0.5  # stages of fixed duration
+    assert [s["stage"] for s in r["stages"]] == [0, 1] and all(s["forward"] > 0 and s["backward"] > 0 for s in r["stages"])
+    assert 0.3 < r["memory"]["ratio_to_whole"] < 1 and r["step_ms"] > 0
+    _print_parallel(r)
+    out = capsys.readouterr().out
+    assert "(D,T,P) = (1,1,2)" in out and "expected (P-1)/(M+P-1) = 0.200" in out

@@ -65,6 +65,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--data", "{data}", "--run-dir", "{run}", "--checkpoint-timeout", "-1"], "--checkpoint-timeout"),
         (["--data", "{data}", "--run-dir", "{run}", "--bucket-mb", "0"], "--bucket-mb"),
         (["--data", "{data}", "--run-dir", "{run}", "--tensorboard"], "tensorboard"),
+        (["--data", "{data}", "--run-dir", "{run}", "--trace", "0:50"], "--trace '0:50': give a window of steps"),
     ],
 )
 def test_train_bad_input(data: Path, tmp_path: Path, args: list[str], needle: str) -> None:

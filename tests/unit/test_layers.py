@@ -1,7 +1,10 @@
 """The layering the README's module map promises, checked on the source: who may import whom, by package.
 
-    base  <-  compute, comm  <-  data  <-  control  <-  api, tools  <-  cli
-    base, comm  <-  horovod (Horovod's API, imported by user scripts only)
+    base  <-  trace  <-  compute, comm  <-  data  <-  control  <-  api, tools  <-  cli
+    compute, comm  <-  parallel  <-  control (model parallelism: groups, the split GPT, the pipeline)
+    base, trace, comm  <-  horovod (Horovod's API, imported by user scripts only)
+
+(trace, the flight recorder and the timeline, sits under comm, which feeds it.)
 
 Every import counts, the lazy ones inside functions included. Also: no import cycle between modules, no
 private name imported from another module, mpi4py only in comm, submitit only in the Slurm code, hpccm only
@@ -21,14 +24,17 @@ FILES = sorted(PACKAGE.rglob("*.py"))
 # package -> the hpctrain packages its modules may import (itself included)
 MAY_IMPORT = {
     "base": {"base"},
+    "trace": {"base", "trace"},  # the flight recorder and the timeline: fed by comm, so below it
     "compute": {"base", "compute"},
-    "comm": {"base", "comm"},
-    "data": {"base", "comm", "data"},  # the shard writer runs on every rank of `launch -n N -- shard` and gathers over comm
-    "control": {"base", "compute", "comm", "data", "control"},
-    "api": {"base", "compute", "comm", "data", "control", "api"},
-    "horovod": {"base", "comm", "horovod"},  # Horovod's PyTorch API over the comm layer (import hpctrain.horovod)
-    "tools": {"base", "compute", "comm", "data", "control", "tools"},
-    "cli": {"base", "compute", "comm", "data", "control", "api", "tools", "cli"},
+    "comm": {"base", "trace", "comm"},
+    "data": {"base", "trace", "comm", "data"},  # the shard writer runs on every rank of `launch -n N -- shard` and gathers over comm
+    # model parallelism: process groups and point-to-point over comm, the split GPT over compute's; control runs it
+    "parallel": {"base", "trace", "compute", "comm", "parallel"},
+    "control": {"base", "trace", "compute", "comm", "data", "parallel", "control"},
+    "api": {"base", "trace", "compute", "comm", "data", "parallel", "control", "api"},
+    "horovod": {"base", "trace", "comm", "horovod"},  # Horovod's PyTorch API over the comm layer (import hpctrain.horovod)
+    "tools": {"base", "trace", "compute", "comm", "data", "parallel", "control", "tools"},
+    "cli": {"base", "trace", "compute", "comm", "data", "parallel", "control", "api", "tools", "cli"},
     "__init__": {"api"},  # lazily, on first use of the library API
     "__main__": {"base", "cli"},
 }
