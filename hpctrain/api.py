@@ -37,10 +37,10 @@ from typing import Any, Iterator
 import torch
 
 from .control import checkpoint as ckpt
-from .control import rngstate
+from .control import ckptstate, rngstate
+from .control.ckptload import open_checkpoint
 from .control.tracing import Timeline
-from .comm import Comm, GradSync, ShardedOptimizer, ZeroSync, checkpoint_entries, load_entries, world
-from .comm.zerooptim import sharded_owner
+from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
 from .data import staging
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
@@ -50,6 +50,7 @@ from .base.stop import FLAG as STOP
 from .trace.spans import TRACER
 
 _CONTEXT: "Context | None" = None
+_ENGINES: "weakref.WeakKeyDictionary[Any, weakref.ref[GradSync]]" = weakref.WeakKeyDictionary()  # model -> its engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,15 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0) -> None:
     owner.load_state_dict(ctx.comm.bcast(state, root=root))
 
 
+def _sync_of(optimizer: Any) -> GradSync | None:
+    """The gradient engine behind `optimizer` (a DistributedOptimizer, or a torch optimizer a ShardedOptimizer
+    was given to), or None."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.sync
+    owner = sharded_owner(optimizer)
+    return owner.sync if owner is not None else None
+
+
 def _state_owner(optimizer: Any) -> Any:
     """What holds `optimizer`'s whole state: a DistributedOptimizer's plain or sharded optimizer, the
     ShardedOptimizer a torch optimizer was given to (zero=1/2: the torch optimizer holds this rank's slices
@@ -120,8 +130,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     `zero=1` shards the optimizer state over the ranks (each rank steps only the parameter slices it owns,
     then the parameters are allgathered); `zero=2` also shards the gradients (reduce-scattered, each bucket's
-    full gradient freed once sent). Only elementwise torch optimizers (SGD, Adam, AdamW, ...) can be
-    sharded; `clip_grad_norm_()` clips the global norm; `state_dict()` gathers the whole state (collective).
+    full gradient freed once sent); `zero=3` also the parameters: each module's are gathered only for its
+    forward and backward (so between steps `model.state_dict()` holds empty views: use `model_state_dict()`,
+    a collective). Only elementwise torch optimizers (SGD, Adam, AdamW, ...) can be sharded;
+    `clip_grad_norm_()` clips the global norm; `state_dict()` gathers the whole state (collective).
 
     It is a `torch.optim.Optimizer` (so torch's LR schedulers accept it) whose `param_groups` are the wrapped
     optimizer's own dicts, at every stage: a scheduler attached to either one, before or after wrapping,
@@ -140,16 +152,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loader = loader
         if overlap is None:
             overlap = auto_overlap(ctx.env, ctx.device.type if hasattr(ctx.device, "type") else "cpu")
-        if zero not in (0, 1, 2):
-            raise ConfigError(f"zero={zero!r} must be 0 (no sharding), 1 (optimizer state) or 2 (also gradients)")
+        if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+            raise ConfigError(f"zero={zero!r} must be 0 (no sharding), 1 (optimizer state), 2 (also gradients) or 3 "
+                              "(also parameters)")
+        self.sync: GradSync = GradSync(model.parameters(), ctx.comm, stage=zero, module=model, bucket_mb=bucket_mb,
+                                       overlap=overlap, compress=compress, hierarchical=hierarchical,
+                                       deterministic=deterministic, reduce=zero_reduce)
         if zero:
-            self.sync: GradSync = ZeroSync(model.parameters(), ctx.comm, stage=zero, bucket_mb=bucket_mb, overlap=overlap,
-                                           compress=compress, deterministic=deterministic, hierarchical=hierarchical,
-                                           reduce=zero_reduce)
             self.optimizer = ShardedOptimizer(optimizer, self.sync)
-        else:
-            self.sync = GradSync(model.parameters(), ctx.comm, bucket_mb=bucket_mb, overlap=overlap,
-                                 compress=compress, hierarchical=hierarchical, deterministic=deterministic)
+        _ENGINES[model] = weakref.ref(self.sync)
         self.model = model
         self.world_size = ctx.world_size
         self._loss_scaled = False
@@ -238,6 +249,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
+
+    def model_state_dict(self, rank: int | None = 0) -> dict | None:
+        """The model's whole state_dict, as CPU copies, on `rank` (None elsewhere; None: on every rank). A
+        collective: with zero=3 the model is gathered unit by unit, so call it on every rank (`model.state_dict()`
+        holds this rank's empty views then); at zero=0-2 it is `model.state_dict()` copied."""
+        from .control.step import param_sha256
+
+        keep = rank is None or init().rank == rank
+        return param_sha256(self.model, self.sync, keep=keep)[1]
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
@@ -369,49 +389,40 @@ class Checkpointer:
 
     def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None,
                scheduler: Any = None) -> dict[str, Any]:
-        opt = _state_owner(optimizer)
-        opt_state, shard = checkpoint_entries(opt)  # sharded (zero=1/2): the layout, and this rank's slices
-        compressor = optimizer.sync.compressor_state() if isinstance(optimizer, DistributedOptimizer) else None
-        own = None if shard is None and compressor is None else {"optimizer": shard, "compress": compressor}
-        sched = scheduler.state_dict() if scheduler is not None else None  # replicated, as `hpctrain train`'s
-        return dict(model_state=model.state_dict(), train_state={"optimizer": opt_state, "scheduler": sched},
-                    shard_state=own,
-                    rank_state={"rng": rngstate.capture(), "loader": loader.state_dict() if loader else None},
-                    meta={"world_size": init().world_size, "api": True})
+        return ckptstate.capture(model, _state_owner(optimizer), _sync_of(optimizer), scheduler=scheduler,
+                                 rank_state={"rng": rngstate.capture(), "loader": loader.state_dict() if loader else None},
+                                 meta={"world_size": init().world_size, "api": True})
 
     def restore(self, model: Any, optimizer: Any, loader: ShardLoader | None = None, *, scheduler: Any = None) -> int:
         """Load the newest complete checkpoint of run_dir into model, optimizer (and loader, scheduler);
-        return its step (0 when there is none). Rank 0 says on stderr that it resumed, and from where."""
+        return its step (0 when there is none). Each rank reads only what it holds (with zero=1-3, its
+        slices). Rank 0 says on stderr that it resumed, and from where."""
         ctx = init()
         path = ckpt.latest(self.run_dir) if ctx.rank == 0 else None
         path = ctx.comm.bcast(str(path) if path else None)
         if path is None:
             return 0
-        state = ckpt.load_broadcast(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
-        model.load_state_dict(state["model"])
-        opt = _state_owner(optimizer)
-        owns = [r.get("own") or {} for r in state["ranks"]]
-        load_entries(opt, state["train"]["optimizer"], [own.get("optimizer") for own in owns])
-        if scheduler is not None:
-            if state["train"].get("scheduler") is None:
-                raise CheckpointError(f"checkpoint {path!r} holds no LR scheduler state (it was saved without "
-                                      "scheduler=), so the schedule would restart at step 0: restore without "
-                                      "scheduler= and set the schedule's position yourself, or use a new run_dir")
-            scheduler.load_state_dict(state["train"]["scheduler"])
-        if isinstance(optimizer, DistributedOptimizer) and state["meta"]["world_size"] == ctx.world_size:
-            if owns[ctx.rank].get("compress") is not None:
-                unfit = optimizer.sync.load_compressor_state(owns[ctx.rank]["compress"])
-                if unfit:
-                    warnings.warn(unfit, stacklevel=2)
-        mine = state["ranks"][ctx.rank] if state["meta"]["world_size"] == ctx.world_size else None
-        if mine is not None:
+        loaded = open_checkpoint(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
+        if scheduler is not None and loaded.train.get("scheduler") is None:
+            raise CheckpointError(f"checkpoint {path!r} holds no LR scheduler state (it was saved without "
+                                  "scheduler=), so the schedule would restart at step 0: restore without "
+                                  "scheduler= and set the schedule's position yourself, or use a new run_dir")
+        sync = _sync_of(optimizer)
+        ckptstate.restore(loaded, model, _state_owner(optimizer), sync, scheduler=scheduler)
+        if loaded.meta["world_size"] == ctx.world_size:
+            mine = ckptstate.rank_state(loaded, ctx.rank)
             rngstate.restore(mine["rng"])
             if loader is not None and mine["loader"] is not None:
                 loader.load_state_dict(mine["loader"])
-        self.manager.last_saved = int(state["meta"]["step"])
+            if sync is not None and mine.get("compress") is not None:
+                unfit = sync.load_compressor_state(mine["compress"])
+                if unfit:
+                    warnings.warn(unfit, stacklevel=2)
+        loaded.reader.close()
+        self.manager.last_saved = int(loaded.meta["step"])
         if ctx.rank == 0:
             print(f"resumed from step {self.manager.last_saved} ({path})", file=sys.stderr, flush=True)
-        return int(state["meta"]["step"])
+        return self.manager.last_saved
 
     def step(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None, *,
              scheduler: Any = None) -> bool:
@@ -429,10 +440,12 @@ class Checkpointer:
 
 
 def param_hash(model: Any) -> str:
-    """sha256 of the model's state: equal on every rank when they are in sync."""
+    """sha256 of the model's state: equal on every rank when they are in sync. With a DistributedOptimizer of
+    zero=3 over `model` this is a collective (the model is gathered unit by unit)."""
     from .control.step import param_sha256
 
-    return param_sha256(model)
+    ref = _ENGINES.get(model)
+    return param_sha256(model, ref() if ref is not None else None)[0]
 
 
 def ranks_in_sync(model: Any) -> bool:

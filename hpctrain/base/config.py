@@ -21,7 +21,7 @@ NORMALIZATIONS = ("none", "standard", "minmax")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 def parse_grad_compression(spec: str) -> tuple[str, float]:
@@ -280,9 +280,10 @@ class TrainConfig:
     zero: int = 0
     """Shard training state across ranks (ZeRO): 0 none; 1 optimizer state (each rank steps only the slices
     it owns, then parameters are allgathered); 2 also gradients (reduce-scattered, full buckets freed once
-    sent). sgd, adam and adamw all work; checkpoints resume on any world size and stage."""
+    sent); 3 also parameters (each module's gathered only for its forward and backward). sgd, adam and
+    adamw all work; checkpoints resume on any world size and stage (hpctrain plan: the bytes per rank)."""
     zero_reduce: str = "auto"
-    """How --zero 1/2 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
+    """How --zero 1-3 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
     allreduce (each rank keeps its slice), or auto (time each at start-up, keep the fastest)."""
     tp: int = 1
     """Tensor-parallel ranks per model replica (the built-in gpt only): attention heads, MLP units and the
@@ -354,7 +355,8 @@ class TrainConfig:
             raise one_of("schedule", self.schedule, SCHEDULES)
         kind, _ = parse_grad_compression(self.grad_compression)
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ConfigError(f"--zero {self.zero!r} must be 0 (no sharding), 1 (optimizer state) or 2 (also gradients)")
+            raise ConfigError(f"--zero {self.zero!r} must be 0 (no sharding), 1 (optimizer state), 2 (also gradients) "
+                              "or 3 (also parameters)")
         if self.precision not in PRECISIONS:
             raise one_of("--precision", self.precision, PRECISIONS)
         if self.zero_reduce not in ZERO_REDUCERS:
@@ -380,6 +382,10 @@ class TrainConfig:
             raise ConfigError(f"--micro-batches {self.micro_batches!r} must be 0 (auto) or a whole number of at least 1")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise one_of("--pipeline-schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if self.tp * self.pp > 1 and self.zero == 3:
+            raise ConfigError(f"--zero 3 does not combine with --tp {self.tp} --pp {self.pp} (stage 3 gathers whole "
+                              "modules, a split run holds shares of them): use --zero 2, which shards the gradients "
+                              "and optimizer state over the data-parallel ranks")
         if self.tp * self.pp > 1 and self.stage_to is not None:
             raise ConfigError("--stage-to does not combine with --tp/--pp (the ranks of one replica read the same "
                               "files and would copy them to the same place): drop one of them")

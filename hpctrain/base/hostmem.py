@@ -40,3 +40,15 @@ def reuse_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
+
+
+def give_back_freed_memory() -> bool:
+    """Hand the memory freed so far back to the OS (glibc's `malloc_trim`), once, after a start-up that freed
+    much (ZeRO 3: the whole model built, then all but this rank's slices freed); what steps free later is
+    still kept for the next step. Returns whether anything was given back."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

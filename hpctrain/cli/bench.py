@@ -92,7 +92,7 @@ def train(
     grad_compression: Annotated[str, typer.Option(help="Wire format of the gradients: none, fp16 or bf16.")] = "none",
     compress: Annotated[Optional[str], typer.Option(hidden=True, help="Old spelling of --grad-compression.")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per local rank; DDP baseline skipped).")] = "cpu",
-    zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1 or 2: timed beside stage 0 instead of DDP).")] = 0,
+    zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1-3: timed beside stage 0 instead of DDP).", min=0, max=3)] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw; lr 0.01.")] = "sgd",
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks per replica (gpt): time the split step instead.")] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline stages per replica: time the split step, its bubble and each stage's phases.")] = 1,
@@ -112,8 +112,9 @@ def train(
     user writes by hand (the plain step with one raw Allreduce per gradient): it also pays the ranks' waits
     for each other's slowest step, which the limit leaves out.
 
-    With --zero 1|2 the step runs sharded and is timed beside stage 0; compare the memory of two runs, one
-    per stage, with benchmarks/zero_memory.py.
+    With --zero 1-3 the step runs sharded and is timed beside stage 0 (at stage 3 the phases add the time of
+    the parameter gathers and the part of it the step waited for: what prefetch, with --overlap, hides);
+    compare the memory of two runs, one per stage, with benchmarks/zero_memory.py.
 
     Example: hpctrain bench train -n 2 --baseline ddp --json
 
@@ -175,12 +176,14 @@ def _print_train(result: dict) -> None:
     print(f"  limit              {result['limit_step_ms']:8.2f} ms  (plain torch step on every rank at once: "
           f"{result['plain_torch_step_ms']:.2f} ms{', plus one raw allreduce' if result['limit_comm_ms'] else ''}); "
           f"step / limit {result['step_over_limit']:.2f} (rounds {min(spread):.2f}-{max(spread):.2f})")
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
     if "handwritten_step_ms" in result:
         print(f"  hand-written loop  {result['handwritten_step_ms']:8.2f} ms  (plain step + one raw Allreduce per gradient: "
               f"{result['handwritten_over_limit']:.2f}x the limit); step / hand-written {result['step_over_handwritten']:.2f}")
     if "stage0" in result:
         print(f"  stage 0 step       {result['stage0']['step_ms']:8.2f} ms  (stage {result['zero']} / stage 0: "
               f"{result['step_over_stage0']:.2f}x; gradients summed by {result['zero_reduce']})")
+        print(f"  where a step goes  {phases} (ms, slowest rank)")
         return
     if "ddp" in result:
         print(f"  DDP (gloo) step    {result['ddp']['step_ms']:8.2f} ms  {result['ddp']['samples_per_s']:9.0f} samples/s")
@@ -191,7 +194,6 @@ def _print_train(result: dict) -> None:
     print(f"  one rank alone     {result['single_rank_step_ms']:8.2f} ms  scaling efficiency {result['scaling_efficiency']:.2f}")
     print(f"  one rank, own world{result['self_world_step_ms']:8.2f} ms  (hpctrain's step on every rank at once, no "
           f"communication: {result['self_world_over_plain']:.2f}x plain torch)")
-    phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items())
     print(f"  where a step goes  {phases} (ms, slowest rank); {result['wire_bytes_per_step']:,} bytes on the wire")
     if "trace" in result:
         print(f"  timeline           {result['trace_dir']}/{result['trace']['file']} ({result['trace']['bytes']:,} bytes): "

@@ -9,7 +9,7 @@ import typer
 
 from ..base.rankenv import read_env
 from ..base.stop import FLAG, finishing, unblock
-from . import bench, container, doctor, generate, launch, report, shard, submit, train
+from . import bench, container, doctor, generate, launch, plan, report, shard, submit, train
 from .common import usage_error
 from .helpformat import App
 
@@ -44,6 +44,7 @@ app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_
 app.command()(doctor.doctor)
 app.command()(doctor.info)
 app.command()(report.report)
+app.command()(plan.plan)
 app.command()(generate.generate)
 submit.register(app)
 app.add_typer(container.app, name="container")

@@ -2,14 +2,15 @@
 
 Its public names, imported from here (`from ..comm import Comm, world`):
 `world` (MPI start-up, lazily), `Comm`, `self_comm`, `mpi_info`/`MpiInfo`, `cuda_aware` (world.py) and
-`GradSync` (gradsync.py), `ZeroSync` (zero.py: ZeRO stages 1 and 2) and `ShardedOptimizer` with its checkpoint
-state (zerooptim.py). wire.py holds the 16-bit wire formats and MPI ops that GradSync uses.
+`GradSync` (gradsync.py: the gradient engine at ZeRO stage 0, 1, 2 or 3, whose strategies are allreduce.py,
+zero.py and zero3.py; `ZeroSync` builds it at stage 1-3) and `ShardedOptimizer` with its checkpoint state
+(zerooptim.py). buckets.py owns the buckets, collectives.py the MPI calls of a step, wire.py the 16-bit wire
+formats.
 """
 
-from .gradsync import GradSync
+from .gradsync import GradSync, ZeroSync
 from .world import Comm, MpiInfo, cuda_aware, mpi_info, self_comm, world
-from .zero import ZeroSync
-from .zerooptim import ShardedOptimizer, checkpoint_entries, full_state, load_entries
+from .zerooptim import ShardedOptimizer, full_state, sharded_owner
 
-__all__ = ["Comm", "GradSync", "MpiInfo", "ShardedOptimizer", "ZeroSync", "checkpoint_entries", "cuda_aware",
-           "full_state", "load_entries", "mpi_info", "self_comm", "world"]
+__all__ = ["Comm", "GradSync", "MpiInfo", "ShardedOptimizer", "ZeroSync", "cuda_aware", "full_state", "mpi_info",
+           "self_comm", "sharded_owner", "world"]

@@ -1,8 +1,12 @@
-"""The buckets of a gradient sync: which parameters share one collective, and the memory it runs on.
+"""The buckets of the gradient engine (`gradsync.GradSync`), their one owner: which parameters share one
+collective, the memory it runs on, and (ZeRO) which slice of each bucket each rank owns.
 
 Autograd owns the gradients (`GradSync.zero()` drops them, as torch's `zero_grad()` does): a gradient of at
 least `GradSync.OWN_BYTES` is a bucket alone, reduced in the memory autograd handed over; a run of small ones
-is packed into one flat buffer allocated once, and their `.grad`s become its views (`bind_bucket`).
+is packed into one flat buffer allocated once, and their `.grad`s become its views (`bind_bucket`), or (stages
+2 and 3) packed into one reused buffer only while it is sent (`pack`). With ZeRO every bucket is cut into one
+contiguous slice per rank (`shard_bounds`), and the parameters become views into the bucket's flat parameter
+memory (`flatten_params`); `plan_segments` says, as a pure function, which parts of which parameters a rank owns.
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ def assign_buckets(ordered: list[Any], bucket_mb: float, alone_bytes: int | None
 
 
 class Bucket:
-    """A flat buffer holding the gradients of a run of parameters, in backward order."""
+    """A run of parameters that share one collective, in backward order, and the memory of their gradients
+    (`flat`: stages 0 and 1) and, with ZeRO, of their parameters and this rank's slice [lo, hi)."""
 
-    __slots__ = ("index", "flat", "params", "ready", "host", "wire", "done", "views", "own")
+    __slots__ = ("index", "flat", "params", "ready", "host", "wire", "done", "views", "own", "param_flat",
+                 "counts", "lo", "hi", "shard", "owned", "unit")
 
     def __init__(self, index: int, flat: Any, params: list[Any]):
         self.index = index
@@ -68,6 +74,18 @@ class Bucket:
         self.host: Any = None  # pinned host staging buffer for device tensors on a non-CUDA-aware MPI
         self.wire: Any = None  # 16-bit wire buffer when compressing
         self.done = threading.Event()
+        # ZeRO: the flat parameter memory (whole at stages 1-2; at stage 3 gathered only while in use), each
+        # rank's element count, this rank's [lo, hi), its reduced gradient slice and its parameter slice
+        self.param_flat: Any = None
+        self.counts: list[int] = []
+        self.lo = self.hi = 0
+        self.shard: Any = None
+        self.owned: Any = None
+        self.unit: Any = None  # stage 3: the modules whose forward uses these parameters (zero3.Unit)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
 
 
 def owned_bucket(index: int, group: list[Any], dtype: Any, device: Any) -> Bucket:
@@ -110,3 +128,102 @@ def bind_bucket(bucket: Bucket) -> None:
         else:
             continue
         p.grad = view
+
+
+class Strategy:
+    """What a ZeRO stage does at the moments of a step (gradsync.GradSync calls them). A stage defines `build`,
+    `reduce` (after backward: a bucket's gradients are ready), `after_step`, `grad_tensors` and `grad_bytes`;
+    the moments below do nothing unless it needs them (stage 3 does)."""
+
+    stage = 0
+    eager = False  # reduce each bucket inline as soon as backward has filled it, even without overlap
+    COLLECTIVE = "allreduce"  # what the flight recorder calls a bucket's sum
+
+    def start(self) -> None:
+        """The engine is built: hook the model (stage 3's forward hooks)."""
+
+    def accumulated(self, param: Any) -> None:
+        """Backward accumulated `param`'s gradient with the reduction off (a micro-batch of an accumulation)."""
+
+    def settle(self) -> None:
+        """Every bucket of the step is reduced."""
+
+    def close(self) -> None:
+        """Remove what `start` hooked."""
+
+
+def shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each rank's slice of `n` elements: contiguous, in rank order, sizes within one element."""
+    base, extra = divmod(n, world)
+    bounds, lo = [], 0
+    for r in range(world):
+        hi = lo + base + (r < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def plan_segments(numels: list[list[int]], world: int, rank: int) -> list[tuple[int, int, int, int]]:
+    """The parts of parameters that `rank` owns, given each bucket's parameter sizes in bucket order:
+    (bucket, position of the parameter in its bucket, start, stop) with [start, stop) in the flattened
+    parameter. A pure function: every rank (and a checkpoint reader) can compute any rank's plan."""
+    out = []
+    for b, sizes in enumerate(numels):
+        lo, hi = shard_bounds(sum(sizes), world)[rank]
+        offset = 0
+        for i, n in enumerate(sizes):
+            start, stop = max(lo, offset), min(hi, offset + n)
+            if start < stop:
+                out.append((b, i, start - offset, stop - offset))
+            offset += n
+    return out
+
+
+def sharded_bucket(index: int, group: list[Any], comm_size: int, rank: int, dtype: Any, device: Any) -> Bucket:
+    """A ZeRO bucket: its slices' bounds and this rank's zeroed gradient slice (no parameter memory yet)."""
+    import torch
+
+    bucket = Bucket(index, None, group)
+    bounds = shard_bounds(bucket.numel, comm_size)
+    bucket.counts = [hi - lo for lo, hi in bounds]
+    bucket.lo, bucket.hi = bounds[rank]
+    bucket.shard = torch.zeros(bucket.hi - bucket.lo, dtype=dtype, device=device)
+    return bucket
+
+
+def flatten_params(bucket: Bucket, dtype: Any, device: Any) -> Any:
+    """Copy the bucket's parameters into one new flat buffer and make each parameter a view into it; returns it."""
+    import torch
+
+    flat = torch.empty(bucket.numel, dtype=dtype, device=device)
+    offset = 0
+    for p in bucket.params:
+        k = p.numel()
+        flat[offset:offset + k].copy_(p.detach().reshape(-1))
+        p.data = flat[offset:offset + k].view_as(p)
+        offset += k
+    return flat
+
+
+def pack(bucket: Bucket, buffer: Any) -> Any:
+    """The bucket's gradients in one flat tensor (zeros for a parameter that got none), and the `.grad`s dropped:
+    a bucket of one parameter gives that gradient's own memory, several are copied into `buffer` (at least as
+    large as the bucket)."""
+    import torch
+
+    if len(bucket.params) == 1:
+        p = bucket.params[0]
+        grad = (p.grad.reshape(-1).contiguous() if p.grad is not None
+                else torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+        p.grad = None
+        return grad
+    packed, offset = buffer[:bucket.numel], 0
+    for p in bucket.params:
+        k = p.numel()
+        if p.grad is None:
+            packed[offset:offset + k].zero_()
+        else:
+            packed[offset:offset + k].copy_(p.grad.reshape(-1))
+        p.grad = None
+        offset += k
+    return packed

@@ -1,14 +1,24 @@
-"""Gradient synchronization: `GradSync`, a summing allreduce of a model's gradients in buckets.
+"""The gradient engine: `GradSync` owns the buckets, the hooks on the parameters, the communication thread and
+the step protocol; a small strategy per ZeRO stage says what happens at its two moments, after backward (a
+bucket's gradients are ready) and before forward (the parameters a forward reads).
+
+| stage | after backward (per bucket) | before forward |
+|---|---|---|
+| 0 (`allreduce.WholeGradients`) | allreduce in place | nothing |
+| 1 (`zero.ShardedState`) | reduce-scatter into this rank's slice | allgather of the stepped slices, after the step |
+| 2 (`zero.ShardedState`) | pack, reduce-scatter, free the bucket's gradients | as stage 1 |
+| 3 (`zero3.ShardedParams`) | as stage 2, then free the gathered parameters | allgather of each unit's parameters in its forward (and again in its backward), the next one prefetched |
 
 Autograd owns the gradients, as in a plain torch step: `zero()` drops them (`.grad = None`), so backward
-neither zeroes nor accumulates into old memory, it hands over fresh tensors. A large gradient (at least
-`OWN_BYTES`) is a bucket alone and is reduced straight from its own memory; runs of small ones share a flat
-buffer they are copied into (their `.grad`s then become views into it), so one collective carries them.
-Measured on the reference MLP: the zeroing pass and the accumulation into persistent bucket views cost
-more than the small copies do (`hpctrain bench train`, docs/performance.md, "The step against the honest limit").
-A bucket's allreduce runs on a dedicated communication thread as soon as all of its gradients are ready
-(with overlap), or in `wait()`. The sum is flat, hierarchical (node, then node leaders) or in a fixed rank
-order (deterministic).
+neither zeroes nor accumulates into old memory, it hands over fresh tensors. Measured on the reference MLP:
+the zeroing pass and the accumulation into persistent bucket views cost more than the small copies do
+(`hpctrain bench train`, docs/performance.md, "The step against the honest limit"). A bucket's collective
+runs on a dedicated communication thread as soon as all of its gradients are ready (with overlap), inline in
+backward (stages 2 and 3 without overlap, to free memory early) or in `wait()`. Every collective of a step
+(ZeRO 3's parameter gathers too) runs on that one thread with overlap, so that every rank issues them in the
+same order. The collectives themselves are in collectives.py, the wire formats in wire.py. The flight recorder
+(trace/flight.py) sees every one of them: each bucket's sum in `_reduce_guarded` (named by the strategy's
+`COLLECTIVE`), each parameter gather in `gather` (ZeRO's allgathers, stage 3's prefetches included).
 """
 
 from __future__ import annotations
@@ -16,96 +26,99 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
-from ..base.config import parse_grad_compression
+from ..base.config import ZERO_REDUCERS, parse_grad_compression
 from ..base.errors import CommError, ConfigError
-from ..base.hostmem import reuse_freed_memory
+from ..base.hostmem import give_back_freed_memory, reuse_freed_memory
 from ..base.threads import join_logged
 from ..trace.flight import RECORDER
 from . import compress as compression
-from .buckets import Bucket, assign_buckets, bind_bucket, owned_bucket, trainable_in_backward_order
-from .wire import buffer_spec, sum_op
+from .allreduce import WholeGradients
+from .buckets import Bucket, trainable_in_backward_order
+from .collectives import Collectives
+from .wire import buffer_spec, wire_bytes
 from .world import Comm, cuda_aware, load_mpi
+from .zero import ShardedState, make_segments, unpacked
+from .zero3 import ShardedParams
 
 
-def _node_groups(comm: Comm, node_key: int | None) -> tuple[Comm, Comm | None]:
-    """The communicators of a hierarchical sum: this node's ranks, and the node leaders (None off them)."""
-    MPI = load_mpi()
-    # node_key lets tests emulate several nodes on one host; by default: who shares memory
-    local = (comm.mpi.Split(node_key, comm.rank) if node_key is not None
-             else comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, comm.rank))
-    local_comm = Comm(local)
-    leaders = comm.mpi.Split(0 if local_comm.rank == 0 else MPI.UNDEFINED, comm.rank)  # collective
-    return local_comm, (Comm(leaders) if leaders != MPI.COMM_NULL else None)
+def refuse(stage: int, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any] = ()) -> None:
+    """What does not compose with ZeRO `stage`, refused in one line before anything is built."""
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"ZeRO stage {stage!r} must be 0 (none), 1 (optimizer state), 2 (also gradients) or 3 "
+                          "(also parameters)")
+    if not stage:
+        return
+    if hierarchical:
+        raise ConfigError(f"--zero {stage} does not combine with --hierarchical (ZeRO reduce-scatters over all "
+                          "ranks at once): drop one of them")
+    if compress.partition(":")[0] in ("powersgd", "topk"):
+        raise ConfigError(f"--grad-compression {compress} does not combine with --zero {stage} (ZeRO sums each "
+                          "rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
+    if reduce not in ZERO_REDUCERS:
+        raise ConfigError(f"--zero-reduce {reduce!r}: choose one of {', '.join(ZERO_REDUCERS)}")
+    if stage == 3 and module is None:
+        raise ConfigError("--zero 3 shards the parameters by module: give the model (module=model), not only "
+                          "its parameters")
+    if stage == 3 and alone:
+        raise ConfigError("--zero 3 keeps each module's parameters in one bucket, so no parameter can be reduced "
+                          "alone (a pipeline's tied embedding/head asks for that): use --zero 2")
 
 
 class GradSync:
-    """Summing allreduce of a model's gradients over `comm`, in fused zero-copy buckets.
+    """The gradients of a model summed over `comm` at ZeRO `stage` (0: allreduce; 1-3: see the module).
 
-    After `GradSync(params, comm)`, every parameter's `.grad` is a view into a flat bucket; backward
-    accumulates into the buckets directly. With `overlap=True`, a post-accumulate-grad hook marks
-    parameters ready and a bucket whose gradients are all ready is reduced by the communication thread
-    while backward goes on; `wait()` blocks until every bucket is reduced (buckets whose parameters got no
-    gradient this step are reduced as they are, zero). Buckets are always reduced in the same order on
-    every rank, so ranks that skip a parameter cannot mismatch collectives.
+    A step is `zero()`, forward, backward, `wait()` (every bucket is reduced: each `.grad` holds the sum over
+    ranks at stage 0, each owned slice at stages 1-3), the optimizer step, `after_step()` (stages 1 and 2
+    allgather the parameters; `ShardedOptimizer.step` calls it). Buckets are reduced in the same order on every
+    rank, so ranks that skip a parameter cannot mismatch collectives (its slice is reduced as zeros).
 
     The caller scales its loss so that the summed gradient is the one it wants (the trainer divides by the
-    global sample count of the step), and calls `zero()` instead of `optimizer.zero_grad()`.
+    global sample count of the step), and calls `zero()` instead of `optimizer.zero_grad()`. Stage 3 needs
+    the model (`module`): its parameters are sharded by module (zero3.py).
     """
 
-    EAGER = False  # reduce each bucket inline as soon as it is full even without overlap (see __init__)
-    COLLECTIVE = "allreduce"  # what the flight recorder calls a bucket's sum
     OWN_BYTES = 1 << 18  # a gradient this large is a bucket alone, reduced from its own memory
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        comm: Comm,
-        *,
-        bucket_mb: float = 25.0,
-        overlap: bool = True,
-        compress: str = "none",
-        hierarchical: bool = False,
-        deterministic: bool = False,
-        node_key: int | None = None,
-        alone: Iterable[Any] = (),
-    ):
+    def __init__(self, params: Iterable[Any], comm: Comm, *, stage: int = 0, module: Any = None,
+                 bucket_mb: float = 25.0, overlap: bool = True, compress: str = "none", hierarchical: bool = False,
+                 deterministic: bool = False, node_key: int | None = None, reduce: str = "auto",
+                 alone: Iterable[Any] = ()):
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
+        alone = list(alone)
+        refuse(stage, compress, hierarchical, reduce, module, alone)
         kind, _ = parse_grad_compression(compress)
         reuse_freed_memory()  # zero() drops the gradients every step: their memory is kept for the next
-        self.comm = comm
+        self.comm, self.stage = comm, stage
         self.compress = kind  # none, fp16 or bf16 on the wire; powersgd and topk: `compressor`
         self.compressor = compression.make(compress, comm)
         self.wire_bytes = 0  # what this rank put on the wire in the last step (its payload)
-        self._wire_round = 0
+        self.wire_round = 0
         self.overlap = overlap and comm.size > 1
-        # eager: without overlap, still reduce each bucket as soon as backward has filled it, inline in the
-        # backward (a subclass that frees gradient memory per bucket wants this; the allreduce does not)
-        self.eager = self.EAGER and comm.size > 1
         self.enabled = True
         ordered = trainable_in_backward_order(params)
-        self.dtype = ordered[0].dtype
-        self.device = ordered[0].device
-        self.buckets: list[Bucket] = [self._make_bucket(i, group)
-                                       for i, group in enumerate(assign_buckets(ordered, bucket_mb, self.OWN_BYTES, alone))]
-        self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
-        self.deterministic = deterministic and comm.size > 1
+        self.dtype, self.device = ordered[0].dtype, ordered[0].device
         self.notes: list[str] = []
-        self._local: Comm | None = None
-        self._leaders: Comm | None = None
-        if hierarchical and comm.size > 1:
-            self._local, self._leaders = _node_groups(comm, node_key)
-        self._staging = self._needs_staging()
-        self._queue: queue.Queue[Bucket | None] = queue.Queue()
+        self.strategy: Any = (WholeGradients(self) if stage == 0 else ShardedState(self, stage) if stage < 3
+                              else ShardedParams(self, module))
+        self.buckets: list[Bucket] = self.strategy.build(ordered, bucket_mb, alone)
+        self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self.params = [p for b in self.buckets for p in b.params]
+        self.colls = Collectives(comm, deterministic=deterministic, hierarchical=hierarchical, node_key=node_key)
+        self.deterministic = self.colls.deterministic
+        self.staging = self._needs_staging()  # device memory goes to MPI through pinned host buffers
+        # eager: without overlap, still reduce each bucket as soon as backward has filled it, inline in the
+        # backward (stages that free gradient memory per bucket want this; the allreduce does not)
+        self.eager = self.strategy.eager and comm.size > 1
+        self._queue: queue.Queue[tuple[Callable[[], None], threading.Event] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._launched = 0
         self._lock = threading.Lock()
-        self._hooks = []
+        self._hooks: list[Any] = []
         self._thread: threading.Thread | None = None
-        if self.overlap or self.eager:
-            self._start_overlap(ordered)
+        self._start_hooks(ordered)
         self.comm_seconds = 0.0
         self.hook_seconds = 0.0  # time spent in the gradient-ready hooks (inside backward), summed
         # Scale each rank's gradient before the sum (e.g. its share of an uneven global batch) and the sum
@@ -119,12 +132,16 @@ class GradSync:
         # compressors need it: their error feedback must not store scaled, possibly overflowed, gradients.
         self.loss_scale: float | None = None
         self._in_round = False
-
-    @property
-    def staging(self) -> bool:
-        """Whether device gradients are staged through pinned host buffers (the MPI is not CUDA-aware, or its
-        start-up probe failed)."""
-        return self._staging
+        self.segments = make_segments(self.buckets, comm.size, comm.rank) if stage else []
+        if stage and not self.segments:
+            raise ConfigError(f"--zero {stage}: the model has fewer trainable elements than there are ranks "
+                              f"({comm.size}), so rank {comm.rank} owns nothing; use --zero 0")
+        self.reduce, self.probe = "allreduce", ""
+        if stage:
+            self._choose_reducer(reduce)
+        if stage == 3:  # the whole model was built, then freed but for this rank's slices: give it back
+            give_back_freed_memory()
+        self.strategy.start()
 
     # -- the public step protocol ------------------------------------------------------------------
     def zero(self) -> None:
@@ -143,37 +160,60 @@ class GradSync:
                 p.grad = None
 
     def wait(self) -> None:
-        """Finish the allreduce of every bucket; afterwards each `.grad` holds the sum over ranks."""
+        """Finish the reduction of every bucket; afterwards each `.grad` (stage 0) or owned slice holds the sum."""
         if not self.enabled:
             return
         start = time.perf_counter()
-        if self.comm.size > 1:
-            with self._lock:
-                self._begin_round()
-            if self.overlap:
-                with self._lock:
-                    while self._launched < len(self.buckets):
-                        RECORDER.handoff(self.buckets[self._launched].index)
-                        self._queue.put(self.buckets[self._launched])
-                        self._launched += 1
-                for bucket in self.buckets:
-                    while not bucket.done.wait(1.0):  # the thread always sets it; bounded to notice a dead one
-                        if self._thread is None or not self._thread.is_alive():
-                            raise CommError("the communication thread is gone; this is a bug, please report it")
-            else:
-                while self._launched < len(self.buckets):  # those the backward did not reduce eagerly
-                    self._launched += 1
-                    self._reduce_guarded(self.buckets[self._launched - 1])
-            self._end_round()
-            self.wire_bytes = self._wire_round
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise CommError(f"gradient allreduce failed on rank {self.comm.rank}: {error!r}") from error
-        else:
+        with self._lock:
             self._begin_round()
-            self._local_round()
-            self._end_round()
+            pending = self.buckets[self._launched:]
+            self._launched = len(self.buckets)
+        for bucket in pending:  # those the backward did not launch (all of them at stage 0 without overlap)
+            self._launch(bucket)
+        for bucket in self.buckets:
+            self.await_done(bucket.done)
+        self._end_round()
+        self.strategy.settle()
+        self.wire_bytes = self.wire_round
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CommError(f"gradient reduction failed on rank {self.comm.rank}: {error!r}") from error
         self.comm_seconds = time.perf_counter() - start
+
+    def after_step(self) -> None:
+        """Once the optimizer has stepped the owned slices: stages 1 and 2 allgather the parameters."""
+        self.strategy.after_step()
+
+    def gather_params(self) -> None:
+        """The allgather of the stepped parameters (stages 1 and 2): `after_step`, under its former name."""
+        self.after_step()
+
+    def submit(self, task: Callable[[], None], done: threading.Event) -> None:
+        """Run `task` (a collective) on the communication thread, in submission order, and set `done` after it;
+        inline without the thread. Every collective of a step goes through here, so that all ranks issue them
+        in the same order."""
+        if self._thread is None:
+            try:
+                task()
+            finally:
+                done.set()
+        else:
+            self._queue.put((task, done))
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Submit `bucket`'s reduction (the flight recorder notes when a bucket is handed to the thread)."""
+        if self._thread is not None:
+            RECORDER.handoff(bucket.index)
+        self.submit(lambda: self._reduce_guarded(bucket), bucket.done)
+
+    def gather(self, bucket: Bucket, full: Any, shard: Any = None) -> None:
+        """Every rank's slice of `bucket`'s parameters into `full` (from `shard`, or in place), as the flight
+        recorder sees it: ZeRO's allgathers, after the step (stages 1 and 2) or a unit's (stage 3)."""
+        seq = RECORDER.begin("allgather", bucket.index, self.dtype, nbytes=full.numel() * full.element_size())
+        try:
+            self.colls.allgather(full, bucket.counts, shard)
+        finally:
+            RECORDER.end(seq)
 
     def compressor_state(self) -> dict[str, Any] | None:
         """The compressor's per-rank state (error feedback, warm starts) for a checkpoint; None without one."""
@@ -185,53 +225,78 @@ class GradSync:
         State saved for another bucket layout is not loaded; the returned line says so (None: loaded)."""
         if self.compressor is None:
             return None
-        sizes = {b.index: sum(p.numel() for p in b.params) for b in self.buckets}
+        sizes = {b.index: b.numel for b in self.buckets}
         wrong = {int(k): v.numel() for k, v in state.get("errors", {}).items() if sizes.get(int(k)) != v.numel()}
         if wrong:  # another bucket layout (--bucket-mb, or an hpctrain that cut buckets otherwise)
             index, n = next(iter(wrong.items()))
             return (f"the checkpoint's {self.compress} error feedback does not fit these buckets (bucket {index} holds "
                     f"{sizes.get(index, 0)} elements, its saved error {n}): it starts afresh; resume with the "
                     "--bucket-mb and hpctrain version the run was written with to keep it")
-        self.compressor.load_state_dict(state, "cpu" if self._staging else self.device)
+        self.compressor.load_state_dict(state, "cpu" if self.staging else self.device)
         return None
 
     def reduced(self, param: Any) -> Any:
-        """The memory that holds `param`'s summed gradient after `wait()` (its `.grad`; with ZeRO, the slice of
-        it this rank owns, for a parameter that was given as `alone`)."""
-        return param.grad
+        """The memory that holds `param`'s summed gradient after `wait()`: its `.grad` at stage 0; with ZeRO,
+        this rank's slice of it (flat), for a parameter that is a bucket alone (given as `alone`)."""
+        if not self.stage:
+            return param.grad
+        bucket = self._bucket_of[id(param)]
+        if len(bucket.params) != 1:
+            raise ValueError("GradSync.reduced: at ZeRO stages 1-3 the parameter shares its bucket; pass it as `alone`")
+        return bucket.shard
 
     def grad_tensors(self) -> list[Any]:
-        """The memory that holds the summed gradients after `wait()` (to unscale or check them)."""
-        return [b.flat for b in self.buckets if b.flat is not None]
+        """The memory that holds this rank's summed gradients after `wait()` (to unscale, check or clip them)."""
+        return self.strategy.grad_tensors()
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient memory a step holds: the flat buckets, and the gradients reduced in place."""
-        held = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets if b.flat is not None and not b.own)
-        return held + sum(p.numel() * p.element_size() for b in self.buckets if b.own for p in b.params)
+        """Bytes of gradient memory this rank holds now."""
+        return self.strategy.grad_bytes()
+
+    def param_bytes(self) -> int:
+        """Bytes of parameter memory this rank holds now (at stage 3: its slices and the gathered units)."""
+        held = getattr(self.strategy, "param_bytes", None)
+        return held() if held is not None else sum(p.numel() * p.element_size() for p in self.params)
+
+    def count_wire(self, numel: int, element_size: int) -> None:
+        """Add a collective's payload to this step's wire bytes."""
+        self.wire_round += wire_bytes(numel, element_size, self.compress)
 
     def close(self) -> None:
         """Stop the communication thread and remove the hooks."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.strategy.close()
         if self._thread is not None:
             self._queue.put(None)
-            join_logged(self._thread, 30.0, "gradient allreduce")
+            join_logged(self._thread, 30.0, "gradient reduction")
             self._thread = None
 
     # -- internals ---------------------------------------------------------------------------------
-    def _make_bucket(self, index: int, group: list[Any]) -> Bucket:
-        return owned_bucket(index, group, self.dtype, self.device)
+    def _choose_reducer(self, reduce: str) -> None:
+        """The reducer of ZeRO's reduce-scatter: the one named, or with auto the fastest on the largest bucket
+        (timed once here; the same choice on every rank)."""
+        import torch
 
-    def _local_round(self) -> None:
-        """A world of one: only the scaling is left to do."""
-        for bucket in self.buckets:
-            bind_bucket(bucket)
-            if self.prescale * self.postscale != 1.0:
-                bucket.flat.mul_(self.prescale * self.postscale)
+        if reduce == "auto" and self.comm.size > 1 and not self.deterministic:
+            bucket = max(self.buckets, key=lambda b: b.numel)
+            send = torch.ones(bucket.numel, dtype=self.dtype, device=self.device)
+            out = torch.empty_like(bucket.shard)
+            if send.is_cuda and self.staging:  # staged: the collective runs on host memory
+                send, out = send.cpu(), out.cpu()
+            self.reduce = "allreduce"  # would it sum this bucket unpacked? then the others pay a packed copy
+            packed = self.stage >= 2 and unpacked(self, bucket)
+            reduce, self.probe = self.colls.fastest_reducer(send, out, bucket.counts, packed)
+            del send, out
+        self.reduce = self.colls.reducer = reduce if reduce != "auto" else "reduce-scatter"
+        self.notes.append(f"ZeRO stage {self.stage}: gradients summed by {self.reduce}" + (
+            f" (timed at start-up: {self.probe})" if self.probe else ""))
 
-    def _start_overlap(self, ordered: list[Any]) -> None:
+    def _start_hooks(self, ordered: list[Any]) -> None:
         """Hook every parameter's gradient-ready event and (with overlap) start the communication thread."""
+        if not (self.overlap or self.eager or self.stage == 3):
+            return
         for p in ordered:
             self._hooks.append(p.register_hook(self._guard(p)))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -244,7 +309,7 @@ class GradSync:
         the caller knows which batch it is (`scale_fn`), not when it zeroed the gradients."""
         if not self._in_round:
             self._in_round = True
-            self._wire_round = 0
+            self.wire_round = 0
             if self.scale_fn is not None:
                 self.prescale, self.postscale = self.scale_fn()
 
@@ -258,6 +323,9 @@ class GradSync:
 
     def _on_grad_ready(self, param: Any) -> None:
         if not self.enabled:
+            self.strategy.accumulated(param)  # stage 3: a unit's backward is done even without a reduction
+            return
+        if not (self.overlap or self.eager):
             return
         start = time.perf_counter()
         try:
@@ -279,7 +347,7 @@ class GradSync:
 
     def _twice(self, param: Any) -> None:
         raise CommError(
-            f"a gradient of shape {tuple(param.shape)} became ready twice before its allreduce was awaited: "
+            f"a gradient of shape {tuple(param.shape)} became ready twice before its reduction was awaited: "
             "a second backward() ran before step() without no_sync(); run all but the last backward of "
             "an accumulation inside `with optimizer.no_sync():` (hpctrain train: --accumulate K)")
 
@@ -296,11 +364,34 @@ class GradSync:
                 if len(nxt.ready) < len(nxt.params):
                     break
                 self._launched += 1
-                if self._thread is not None:
-                    RECORDER.handoff(nxt.index)
-                    self._queue.put(nxt)
-                else:  # eager, inline: this thread runs backward and waits for the bucket's collective
-                    self._reduce_guarded(nxt)
+                self._launch(nxt)
+
+    @property
+    def threaded(self) -> bool:
+        """Whether collectives run on the communication thread (overlap), not inline."""
+        return self._thread is not None
+
+    def bucket_of(self, param: Any) -> Bucket:
+        return self._bucket_of[id(param)]
+
+    def owns(self, tensor: Any) -> bool:
+        """Whether `tensor` is one of the parameters this engine reduces."""
+        return id(tensor) in self._bucket_of
+
+    def state_items(self, model: Any) -> Iterator[tuple[str, Any]]:
+        """(key, parameter or buffer) of `model.state_dict(keep_vars=True)`, whole while it is handed out: at
+        stage 3 each unit is gathered while its keys are read (a collective: every rank iterates to the end),
+        at stages 0-2 every rank holds them."""
+        if self.stage == 3:
+            yield from self.strategy.whole(model)
+        else:
+            yield from model.state_dict(keep_vars=True).items()
+
+    def await_done(self, done: threading.Event) -> None:
+        """Wait for a submitted collective; raise if the communication thread died."""
+        while not done.wait(1.0):  # the thread always sets it; bounded to notice a dead one
+            if self._thread is None or not self._thread.is_alive():
+                raise CommError("the communication thread is gone; this is a bug, please report it")
 
     def _run(self) -> None:
         if self.device.type == "cuda":
@@ -308,28 +399,29 @@ class GradSync:
 
             torch.cuda.set_device(self.device)
         while True:
-            bucket = self._queue.get()
-            if bucket is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            task, done = item
             try:
-                self._reduce_guarded(bucket)
+                task()
             finally:
-                bucket.done.set()
+                done.set()
 
     def _reduce_guarded(self, bucket: Bucket) -> None:
         """Reduce `bucket`, keeping the first error for wait() to raise. After an error the remaining
         buckets are still reduced: every other rank enters their collectives, and a rank that skipped them
         would leave the others waiting forever. The one hook of the flight recorder for every bucket's sum
         (flat, hierarchical, rank-ordered, 16-bit, compressed, ZeRO's reduce-scatter): its bytes on the wire."""
-        seq = RECORDER.begin(self.COLLECTIVE, bucket.index, self.compress if self.compress != "none" else self.dtype,
-                             counter=self._wire_round)
+        seq = RECORDER.begin(self.strategy.COLLECTIVE, bucket.index,
+                             self.compress if self.compress != "none" else self.dtype, counter=self.wire_round)
         try:
-            self._reduce(bucket)
+            self.strategy.reduce(bucket)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() in the caller's thread
             if self._error is None:
                 self._error = exc
         finally:
-            RECORDER.end(seq, self._wire_round)
+            RECORDER.end(seq, self.wire_round)
 
     def _needs_staging(self) -> bool:
         """Whether device gradients go through pinned host buffers: on a GPU rank whose MPI is not CUDA-aware,
@@ -359,97 +451,10 @@ class GradSync:
             return True
         return cuda and not direct
 
-    def _reduce(self, bucket: Bucket) -> None:
-        import torch
 
-        MPI = load_mpi()
-        bind_bucket(bucket)  # every gradient of the bucket is ready (or will get none this step)
-        flat = bucket.flat
-        if self.device.type == "cuda" and self._staging:
-            if bucket.host is None:
-                bucket.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            bucket.host.copy_(flat, non_blocking=False)
-            self._reduce_host(bucket.host, bucket, MPI)
-            flat.copy_(bucket.host, non_blocking=False)
-        else:  # CUDA-aware or CPU: MPI reads the bucket itself (buffer_spec orders it after the stream's kernels)
-            self._reduce_host(flat, bucket, MPI)
-
-    def _reduce_host(self, flat: Any, bucket: Bucket, MPI: Any) -> None:
-        if self.compressor is not None:
-            self._reduce_compressed(flat, bucket, MPI)
-            return
-        self._wire_round += flat.numel() * (flat.element_size() if self.compress == "none" else 2)
-        if self.compress == "none":
-            if self.prescale != 1.0:
-                flat.mul_(self.prescale)
-            self._sum(flat, MPI.SUM, MPI)
-            if self.postscale != 1.0:
-                flat.mul_(self.postscale)
-            return
-        import torch
-
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[self.compress]
-        if bucket.wire is None:
-            bucket.wire = torch.empty(flat.shape, dtype=dtype, device=flat.device)
-        # Pre-divide by the world size so the 16-bit sum cannot overflow, then scale back in fp32.
-        torch.mul(flat, self.prescale / self.comm.size, out=bucket.wire)
-        self._sum(bucket.wire, sum_op(self.compress, MPI), MPI)
-        flat.copy_(bucket.wire).mul_(self.comm.size * self.postscale)
-
-    def _reduce_compressed(self, flat: Any, bucket: Bucket, MPI: Any) -> None:
-        """Low rank or sparse, with error feedback. The compressor sees the gradient without the loss scale,
-        so its state (errors, warm starts) stays in the gradient's own units when the scale changes; under a
-        loss scale, a bucket that holds an inf or NaN on any rank (an fp16 overflow: the step will be skipped)
-        leaves every rank's state untouched, and the bucket becomes NaN on every rank so that the scaler's
-        check skips the step everywhere. Deciding that costs one 8-byte allreduce per bucket, only then."""
-        scaled = self.loss_scale is not None
-        if scaled and not self._finite_everywhere(flat):
-            flat.fill_(float("nan"))
-            return
-        unscale = self.prescale / (self.loss_scale if scaled else 1.0)
-        if unscale != 1.0:
-            flat.mul_(unscale)
-        self._wire_round += self.compressor.reduce(bucket.index, flat, bucket.params,
-                                                   lambda buf: self._sum(buf, MPI.SUM, MPI))
-        rescale = self.postscale * (self.loss_scale if scaled else 1.0)
-        if rescale != 1.0:
-            flat.mul_(rescale)
-
-    def _finite_everywhere(self, flat: Any) -> bool:
-        """Whether no rank's part of this bucket holds an inf or NaN (the same answer on every rank)."""
-        import torch
-
-        bad = 0.0 if bool(torch.isfinite(flat).all()) else 1.0
-        return self.comm.allreduce_array([bad], op="max")[0] == 0.0
-
-    def _sum(self, buf: Any, op: Any, MPI: Any) -> None:
-        """In-place sum of `buf` over all ranks: flat, hierarchical or in a fixed order."""
-        if self.deterministic:
-            self._ordered_sum(buf)
-        elif self._local is not None:
-            # node-local reduce to the node leader, leaders allreduce, node-local broadcast
-            spec = buffer_spec(buf, MPI)
-            if self._local.size > 1:
-                self._local.mpi.Reduce(MPI.IN_PLACE if self._local.rank == 0 else spec, spec, op=op, root=0)
-            if self._leaders is not None and self._leaders.size > 1:
-                self._leaders.mpi.Allreduce(MPI.IN_PLACE, spec, op=op)
-            if self._local.size > 1:
-                self._local.mpi.Bcast(spec, root=0)
-        else:
-            self.comm.mpi.Allreduce(MPI.IN_PLACE, buffer_spec(buf, MPI), op=op)
-
-    def _ordered_sum(self, buf: Any, chunk: int = 1 << 22) -> None:
-        """Sum in rank order (((g0 + g1) + g2) + ...), accumulating in float32, whatever MPI's algorithm:
-        the same bits in every run and on every rank. Costs an allgather (W x the traffic), in chunks."""
-        import torch
-
-        MPI = load_mpi()
-        flat = buf.view(-1)
-        for start in range(0, flat.numel(), chunk):
-            part = flat[start:start + chunk]
-            gathered = torch.empty((self.comm.size, part.numel()), dtype=part.dtype, device=part.device)
-            self.comm.mpi.Allgather(buffer_spec(part.contiguous(), MPI), buffer_spec(gathered, MPI))
-            total = gathered[0].float()
-            for r in range(1, self.comm.size):
-                total += gathered[r].float()
-            part.copy_(total)
+def ZeroSync(params: Iterable[Any], comm: Comm, *, stage: int, module: Any = None, **options: Any) -> GradSync:  # noqa: N802
+    """The gradient engine at ZeRO `stage` 1, 2 or 3 (the name this constructor has had since stage 1)."""
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"ZeRO stage {stage!r} must be 1 (optimizer state), 2 (also gradients) or 3 (also "
+                          "parameters)")
+    return GradSync(params, comm, stage=stage, module=module, **options)

@@ -1,18 +1,22 @@
-"""The gradient wire formats: mpi4py buffer specs over tensor memory (no copy), and for the 16-bit formats
-(fp16, bf16) the MPI datatype of one element and the summing MPI ops that accumulate in float32.
+"""The gradient wire formats: mpi4py buffer specs over tensor memory (no copy); the 16-bit formats (fp16, bf16):
+their torch dtypes, the MPI datatype of one element, the summing MPI ops that accumulate in float32, and the
+one scaled sum every gradient collective runs through (`scaled_sum`: pre-divide by the world size so that a
+16-bit sum cannot overflow, sum, scale back in float32).
 
 The MPI module is passed in by the caller, which started it (`world.load_mpi`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 
-def buffer_spec(tensor: Any, MPI: Any) -> Any:
-    """An mpi4py buffer spec over a tensor's memory, without a copy.
+def buffer_spec(tensor: Any, MPI: Any, *, resizable: bool = False) -> Any:
+    """An mpi4py buffer spec over a tensor's memory, without a copy. `resizable`: hand MPI the memory by its
+    address, not through `Tensor.numpy()`, which marks the storage as never to be resized again (ZeRO 3 frees
+    and reallocates its gathered parameters' storage every step).
 
     Every tensor the comm layer hands to MPI passes through here (tests/unit/test_wire.py checks that), so this is
     where a CUDA tensor's stream is synchronized: the kernels queued on it so far (the gradients, a cast to the
@@ -28,7 +32,50 @@ def buffer_spec(tensor: Any, MPI: Any) -> Any:
         return [raw if raw.is_cuda else raw.numpy(), half_type(MPI)]
     if tensor.is_cuda:
         return tensor
+    if resizable and tensor.numel():
+        nbytes = tensor.numel() * tensor.element_size()
+        return np.frombuffer(MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), dtype=str(tensor.dtype).removeprefix("torch."))
     return tensor.numpy()
+
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+"""The torch dtype (by name) of each precision and wire format hpctrain names: the one map of them."""
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of `name`: fp32, fp16 or bf16."""
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def wire_bytes(numel: int, element_size: int, kind: str) -> int:
+    """The bytes `numel` elements take on the wire: their own size, or 2 in a 16-bit format."""
+    return numel * (element_size if kind == "none" else 2)
+
+
+def scaled_sum(send: Any, out: Any, kind: str, prescale: float, postscale: float, world: int,
+               collective: Callable[[Any, Any, Any], None], MPI: Any, wire: Any = None) -> None:
+    """`out` = postscale x (the sum over the ranks of prescale x `send`), by `collective(send, recv, op)` (an
+    allreduce in place when `out` is `send`, else a reduce-scatter of `send` into `out`). In `kind` fp16 or bf16
+    the values travel in 16 bits, pre-divided by the world size so that the sum cannot overflow and scaled
+    back in float32; `wire` is a reusable 16-bit buffer shaped like `send` (allocated here when None). `send`
+    may be scaled in place."""
+    import torch
+
+    if kind == "none":
+        if prescale != 1.0:
+            send.mul_(prescale)
+        collective(send, out, MPI.SUM)
+        if postscale != 1.0:
+            out.mul_(postscale)
+        return
+    dtype = torch_dtype(kind)
+    wire = torch.mul(send, prescale / world, out=wire if wire is not None else torch.empty(
+        send.shape, dtype=dtype, device=send.device))
+    wire_out = wire if out is send else torch.empty(out.shape, dtype=dtype, device=out.device)
+    collective(wire, wire_out, sum_op(kind, MPI))
+    out.copy_(wire_out).mul_(world * postscale)
 
 
 _HALF: Any = None

@@ -1,4 +1,4 @@
-"""`ShardedOptimizer`: a torch optimizer that steps only the parameter slices this rank owns (ZeRO 1/2),
+"""`ShardedOptimizer`: a torch optimizer that steps only the parameter slices this rank owns (ZeRO 1-3),
 and the conversions of its state to and from torch's own `state_dict` format.
 
 The wrapped optimizer itself steps the slices: its param groups are re-pointed at `ZeroSync.segments` (as
@@ -8,11 +8,11 @@ change of lr, momentum, betas or weight decay applies at the next step, whoever 
 for elementwise optimizers, whose update of an element reads nothing but that element's gradient and state;
 others (LBFGS, Adafactor, anything that looks at a whole tensor) are refused.
 
-State format. A checkpoint of a sharded run holds the replicated `layout_state()` (param groups by the
-index of each parameter in the wrapped optimizer, and each parameter's shape) and each rank's
-`shard_state()` (which elements of which parameter it owns, and their state). `full_state(layout, shards)`
-joins any number of ranks' shards into torch's ordinary optimizer `state_dict`, and `load_state_dict()`
-slices such a dict for this rank: a run saved on W ranks at any stage resumes on W' ranks at any stage.
+State. `layout_state()` is the replicated part (param groups by the index of each parameter in the wrapped
+optimizer, and each parameter's shape), `owned_state()` this rank's slices of the state; a checkpoint writes
+them as boxes of whole tensors and `load_owned()` reads back the slices this rank owns now, on any world size
+and stage (control/ckptstate.py). `state_dict()` gathers torch's ordinary optimizer state_dict of the whole
+model (`full_state` joins any number of ranks' `shard_state()`s) and `load_state_dict()` slices such a dict.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import weakref
 from typing import Any
 
 from ..base.errors import CheckpointError, ConfigError
-from .zero import ZeroSync
+from .gradsync import GradSync
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 """torch.optim classes whose update is elementwise, so that stepping slices equals stepping tensors."""
@@ -46,7 +46,7 @@ class ShardedOptimizer:
     is re-sliced) stepping only this rank's slices, then allgathering the parameters. From here on its param
     groups hold this rank's slices of the parameters (`inner` is `optimizer`): step it through this object."""
 
-    def __init__(self, optimizer: Any, sync: ZeroSync):
+    def __init__(self, optimizer: Any, sync: GradSync):
         kind = type(optimizer)
         if not kind.__module__.startswith("torch.optim") or kind.__name__ not in ELEMENTWISE:
             raise ConfigError(
@@ -94,11 +94,11 @@ class ShardedOptimizer:
     def step(self, closure: Any = None) -> None:
         """Step the owned slices, then allgather the parameters (collective)."""
         if closure is not None:
-            raise ConfigError("a sharded optimizer (--zero 1/2) takes no closure: compute the loss before step()")
+            raise ConfigError("a sharded optimizer (--zero 1-3) takes no closure: compute the loss before step()")
         for seg, grad in zip(self.segments, self._grads):
             seg.tensor.grad = grad
         self.inner.step()
-        self.sync.gather_params()
+        self.sync.after_step()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the global gradient norm to `max_norm` as torch.nn.utils.clip_grad_norm_ does; the norm is
@@ -137,12 +137,16 @@ class ShardedOptimizer:
         shards = self.sync.comm.allgather(_to_cpu(self.shard_state()))
         return full_state(self.layout_state(), shards)
 
-    def load_state_dict(self, full: dict[str, Any]) -> None:
-        """Load torch's optimizer state_dict of the whole model (from a stage-0 run, or `full_state` of a
-        sharded one): this rank keeps the slices it owns."""
-        import torch
+    def owned_state(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """This rank's optimizer state by slice: (parameter index, start, stop, {key: value}), a value being a
+        tensor of stop - start elements or a scalar (Adam's step). What a checkpoint writes of it."""
+        state = self.inner.state
+        return [(self.index[id(s.param)], s.start, s.stop, dict(state.get(s.tensor, {}))) for s in self.segments]
 
-        groups = full["param_groups"]
+    def load_owned(self, groups: list[dict[str, Any]], fetch: Any) -> None:
+        """Load the state of this rank's slices: `groups` are torch's param_groups of the saved optimizer (its
+        parameters by index), `fetch(index, start, stop)` gives {key: value} of elements [start, stop) of
+        parameter `index` (a tensor of stop - start elements, or a scalar), or None for no state."""
         if len(groups) != len(self.inner.param_groups):
             raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} param groups, this one "
                                   f"{len(self.inner.param_groups)}: build the optimizer as the run that wrote it did")
@@ -152,11 +156,22 @@ class ShardedOptimizer:
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
             at += n
         for i, seg in enumerate(self.segments):
-            saved = full["state"].get(self.index[id(seg.param)])
+            saved = fetch(self.index[id(seg.param)], seg.start, seg.stop)
             if saved:
-                state[i] = {k: (v.reshape(-1)[seg.start:seg.stop] if v.dim() else v).clone() if torch.is_tensor(v)
-                            else v for k, v in saved.items()}  # own copies: never share a step counter
+                state[i] = saved
         self.inner.load_state_dict({"state": state, "param_groups": inner_groups})
+
+    def load_state_dict(self, full: dict[str, Any]) -> None:
+        """Load torch's optimizer state_dict of the whole model (from a stage-0 run, or `full_state` of a
+        sharded one): this rank keeps the slices it owns."""
+        import torch
+
+        def fetch(index: int, start: int, stop: int) -> dict[str, Any] | None:
+            saved = full["state"].get(index)
+            return {k: (v.reshape(-1)[start:stop] if v.dim() else v).clone() if torch.is_tensor(v) else v
+                    for k, v in saved.items()} if saved else None  # own copies: never share a step counter
+
+        self.load_owned(full["param_groups"], fetch)
 
 
 def full_state(layout: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -189,24 +204,6 @@ def full_state(layout: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str
                                           "shard is missing from the checkpoint")
                 whole[key] = value.view(shapes[index])
     return {"state": state, "param_groups": layout["param_groups"]}
-
-
-def checkpoint_entries(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(what a checkpoint's train state holds for `optimizer`, this rank's shard or None): a plain
-    optimizer's state_dict, or a sharded one's layout and shard."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.layout_state(), optimizer.shard_state()
-    return optimizer.state_dict(), None
-
-
-def load_entries(optimizer: Any, saved: dict[str, Any], shards: list[Any]) -> None:
-    """Load what `checkpoint_entries` saved (on any world size and stage) into `optimizer`, plain or
-    sharded; `shards` are the checkpoint's per-rank shards (None for a plain optimizer's checkpoint)."""
-    if "zero" in saved:
-        if any(s is None for s in shards):
-            raise CheckpointError("the checkpoint was written by a sharded optimizer (--zero) but lacks a rank's shard")
-        saved = full_state(saved, shards)
-    optimizer.load_state_dict(saved)
 
 
 def _to_cpu(tree: Any) -> Any:

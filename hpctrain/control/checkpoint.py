@@ -2,13 +2,14 @@
 entry points. The file format is in `ckptformat`, the background writing in `ckptwriter`.
 
 A checkpoint is a directory `RUN/checkpoints/step-NNNNNNN/` holding
-    part-RRRRR.bin  the tensors of the model and optimizer state, split over the ranks that wrote them, and
-                    each rank's own tensors (the slices a sharded optimizer, --zero 1/2, owns)
+    part-RRRRR.bin  the tensors of the model and optimizer state as pieces (boxes of named tensors), split over
+                    the ranks that wrote them: each replicated tensor once, whole, and each rank's own slices
+                    (what ZeRO shards) and its own state (RNG, error feedback)
     state.pt        the model's state_dict (the user's own keys) and the train state (optimizer, LR schedule,
-                    counters), each tensor replaced by a reference into a part file
-    ranks.pt        per-rank state gathered from every rank (RNG states, data cursor, audit position, and
-                    the references to its own tensors)
-    meta.json       step, epoch, world size, resolved config, data fingerprint, sha256 of every file above
+                    counters), each tensor replaced by a reference to its name, and the index of every piece
+    ranks.pt        per-rank state gathered from every rank (RNG states, data cursor, audit position), each
+                    tensor a reference to its name
+    meta.json       step, epoch, world size, format, resolved config, data fingerprint, sha256 of every file above
     COMPLETE        the completion marker, written last; it holds the sha256 of meta.json (checkpoints written
                     before it did have an empty one, and still load)
 
@@ -18,8 +19,8 @@ It is written under a temporary name, every file fsynced, then renamed into plac
 survive; older ones are pruned only after a newer one is complete.
 
 Saving is asynchronous (`ckptwriter`): each rank writes its share in the background, and rank 0 completes
-the checkpoint once every part is on disk. Loading reads on rank 0 and broadcasts, so a job opens each file
-once (kinder to a parallel filesystem's metadata servers than every rank opening it).
+the checkpoint once every part is on disk. Loading (`ckptload`): rank 0 reads and broadcasts the small files,
+and every rank reads from the part files only the byte ranges of what it will hold (`ckptboxes`).
 
 Only the trainer and the library API use this module; it knows nothing about MPI beyond the `Comm`
 object it is given, and runs no collective outside the trainer's thread.
@@ -38,8 +39,10 @@ from typing import Any
 from ..base.durable import FAULTS, human_bytes, sha256_file
 from ..base.errors import CheckpointError, HpctrainError, StorageError, brief, describe
 from ..trace.spans import TRACER
-from .ckptformat import (MARKER, RANKS, STATE, assign_writers, decode_json, discard, expected_files, join_tensors,
-                         layout_digest, meta_digest, part_name, read_part, split_tensors, to_host)
+from .ckptboxes import Reader
+from .ckptformat import (FORMAT, MARKER, RANKS, STATE, assign_writers, decode_json, discard, expected_files,
+                         join_tensors, layout_digest, meta_digest, part_header, part_name, piece, read_part,
+                         split_named, split_tensors)
 from .ckptwriter import AsyncWriter
 
 
@@ -135,34 +138,53 @@ def size_of(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
-def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
-    """Read a checkpoint: {"meta", "model", "train", "ranks"} (weights_only: no code runs from the files).
-    The checksums are checked first unless `verified` (the caller just did, e.g. through `latest`)."""
+def read_trees(path: Path) -> tuple[Any, Any]:
+    """(state.pt's tree, ranks.pt's list) of a verified checkpoint (weights_only: no code runs from the files)."""
     import torch
 
-    path = Path(path)
-    meta = verify(path, hash_files=not verified)
-    tensors: dict[int, Any] = {}
-    for r in range(int(meta["parts"])):
-        tensors.update(read_part(path / part_name(r)))
-    trees = {}
-    for name in (STATE, RANKS):  # a rank's own tensors (a sharded optimizer's) are in its part file
+    trees = []
+    for name in (STATE, RANKS):
         try:
-            with open(path / name, "rb") as fh:
-                trees[name] = join_tensors(torch.load(fh, map_location="cpu", weights_only=True), tensors, str(path))
-        except HpctrainError:
-            raise
+            with open(Path(path) / name, "rb") as fh:
+                trees.append(torch.load(fh, map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - torch's and pickle's errors can run to pages
             raise CheckpointError(f"checkpoint {str(path)!r}: {name} cannot be loaded ({describe(exc)})") from None
-    tree = trees[STATE]
-    return {"meta": meta, "model": tree["model"], "train": tree["train"], "ranks": trees[RANKS]}
+    return trees[0], trees[1]
+
+
+def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
+    """Read a whole checkpoint: {"meta", "model", "train", "ranks"} with every tensor whole (for tools and tests;
+    a resume reads only its own boxes, `ckptload`). A sharded optimizer's state (--zero 1-3) is under
+    train.optimizer.state as torch's optimizer state_dict has it. The checksums are checked first unless
+    `verified` (the caller just did, e.g. through `latest`)."""
+    path = Path(path)
+    meta = verify(path, hash_files=not verified)
+    tree, ranks = read_trees(path)
+    if meta.get("format") != FORMAT:  # format 1: numbered tensors, all of them in the parts
+        tensors: dict[int, Any] = {}
+        for r in range(int(meta["parts"])):
+            tensors.update(read_part(path / part_name(r)))
+        tree, ranks = (join_tensors(t, tensors, str(path)) for t in (tree, ranks))
+        return {"meta": meta, "model": tree["model"], "train": tree["train"], "ranks": ranks}
+    reader = Reader(path, tree["index"])
+    train = reader.resolve(tree["train"])
+    optimizer = train.get("optimizer")
+    if isinstance(optimizer, dict) and "state" not in optimizer:  # sharded: its state is in the index only
+        prefix = "train/optimizer/state/"
+        state: dict[int, dict[str, Any]] = {}
+        for name in reader.names(prefix):
+            index, key = name[len(prefix):].split("/", 1)
+            state.setdefault(int(index), {})[key] = reader.read(name)
+        optimizer["state"] = state
+    out = {"meta": meta, "model": reader.resolve(tree["model"]), "train": train, "ranks": reader.resolve(ranks)}
+    reader.close()
+    return out
 
 
 def load_broadcast(path: Path, comm: Any, *, verified: bool = False) -> dict[str, Any]:
-    """Rank 0 reads the checkpoint (verifying its checksums unless it just did) and broadcasts it: one
-    reader per job, kinder to a parallel filesystem than W ranks reading every file. The trees go out
-    pickled, the tensors' bytes by MPI_Bcast straight from their buffers (pickling them was 2.6x slower;
-    `python benchmarks/checkpoint_load.py`)."""
+    """Rank 0 reads the whole checkpoint (verifying its checksums unless it just did) and broadcasts it: how a
+    checkpoint of format 1 is read. The trees go out pickled, the tensors' bytes by MPI_Bcast straight from
+    their buffers (pickling them was 2.6x slower; `python benchmarks/checkpoint_load.py`)."""
     import torch
 
     state, error = None, None
@@ -280,7 +302,11 @@ class CheckpointManager:
         return bool(stopping)
 
     def _save(self, step: int, *, model_state: dict, train_state: dict, rank_state: dict, meta: dict,
-              shard_state: dict | None = None, wait: bool = False) -> None:
+              pieces: list[tuple[str, Any, Any, Any]] = (), wait: bool = False) -> None:
+        """Write a checkpoint of `model_state` and `train_state` (the same on every rank: each tensor written
+        once, by the rank it is dealt to; a reference {REF: name} stands for a tensor of which the ranks write
+        `pieces`), each rank's `rank_state`, and `pieces`: this rank's boxes (name, tensor, whole shape,
+        start) of the tensors that are sharded. Collective."""
         if step == self.last_saved:
             if wait:
                 self.wait()
@@ -290,18 +316,25 @@ class CheckpointManager:
         if self._writer.job is not None:  # the previous save is still being written: it finishes first
             self._writer.finish()
         self._writer.join()
-        skeleton, tensors = split_tensors({"model": model_state, "train": train_state})
-        owner = assign_writers(tensors, self.comm.size)
-        mine = {i: t for i, t in enumerate(tensors) if owner[i] == self.comm.rank}
-        if shard_state is not None:  # this rank's own state (a sharded optimizer's slices, error feedback): its part
-            rank_state, own = self._own_tensors(rank_state, shard_state, first=len(tensors))
-            mine.update(own)
-        ranks = self.comm.gather({"state": to_host(rank_state), "layout": layout_digest(tensors)}, root=0)
+        skeleton, shared = split_named({"model": model_state, "train": train_state}, "")
+        own, mine = split_named(rank_state, f"rank{self.comm.rank:05d}")
+        owner = assign_writers(list(shared.values()), self.comm.size)
+        mine = {**{n: t for (n, t), o in zip(shared.items(), owner) if o == self.comm.rank}, **mine}
+        entries = [piece(name, t) for name, t in mine.items()]
+        entries += [piece(name, t, shape, at) for name, t, shape, at in pieces]
+        tensors = [*mine.values(), *(t for _, t, _, _ in pieces)]
+        head, base = part_header(entries)
+        ranks = self.comm.gather({"state": own, "layout": layout_digest(list(shared.values())),
+                                  "pieces": (base, entries)}, root=0)
+        # a save the run waits for (a stop, the last step) writes from the tensors themselves: no host copies
+        host = dict(enumerate(tensors)) if wait and not any(t.is_cuda for t in tensors) else (
+            self._writer.staging.snapshot(dict(enumerate(tensors))))
         job: dict[str, Any] = {
             "step": step, "tmp": self.root / f".tmp-{step_dir_name(step)}-{self._token}",
-            "final": self.root / step_dir_name(step), "parts": self._writer.staging.snapshot(mine)}
-        if self.comm.rank == 0:
-            job.update(skeleton=skeleton, ranks=ranks, meta=dict(meta, step=step, parts=self.comm.size))
+            "final": self.root / step_dir_name(step), "head": head, "entries": entries, "parts": list(host.values())}
+        if self.comm.rank == 0:  # the writer checks the ranks agree and builds the index of the pieces
+            job.update(skeleton={"format": FORMAT, **skeleton}, ranks=ranks,
+                       meta=dict(meta, step=step, parts=self.comm.size, format=FORMAT))
         self._writer.start(job)
         self.last_saved = step
         self.saves += 1
@@ -316,15 +349,6 @@ class CheckpointManager:
             self.async_stalls.append(stall)
         if wait:
             self.wait()
-
-    def _own_tensors(self, rank_state: dict, shard_state: dict, *, first: int) -> tuple[dict, dict[int, Any]]:
-        """Number this rank's own tensors after the shared ones and every lower rank's own ones (collective),
-        and put their references into its rank state under `own`: (rank state, {id: tensor})."""
-        _, own = split_tensors(shard_state)
-        counts = self.comm.allgather(len(own))
-        first += sum(counts[:self.comm.rank])
-        refs, own = split_tensors(shard_state, first)
-        return {**rank_state, "own": refs}, {first + i: t for i, t in enumerate(own)}
 
     def wait(self) -> None:
         """Block until the last save is on disk (collective), raising its error if it failed (on every rank)."""

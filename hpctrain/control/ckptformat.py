@@ -1,17 +1,25 @@
-"""The on-disk format of a checkpoint: which files a checkpoint directory holds, the part files, the tensor
+"""The on-disk format of a checkpoint: which files a checkpoint directory holds, the part files, the named tensor
 references in the trees, the split of the writing over the ranks, and the hashing done while writing.
 
 A checkpoint directory holds `part-RRRRR.bin` (one per rank that wrote), `state.pt`, `ranks.pt`, `meta.json`
 and the `COMPLETE` marker, which holds the sha256 of meta.json (empty in checkpoints of earlier versions; see
 `checkpoint` for what each file holds and when a directory counts).
-Model and optimizer state are equal on every rank (data parallel), so each tensor is written once, by one
-rank: the tensors are dealt to the ranks largest first, each to the rank with the fewest bytes so far (as
-torch.distributed.checkpoint deduplicates replicated tensors). W ranks write about 1/W of the bytes each,
-in parallel: on a parallel filesystem the write bandwidth grows with the nodes, and the CPU a save takes
-from training is shared instead of landing on rank 0. State that differs between ranks (the slices of a
-sharded optimizer) is written by the rank that holds it, numbered after the shared tensors. A part file is
-raw tensor bytes behind a JSON header (no pickle); the small trees go through torch.save and load with
-weights_only=True. Every file is hashed while it is written (no second pass over the bytes) and fsynced.
+
+Format 2 (meta.json `"format": 2`): every tensor has a name (its path in the state trees: `model/fc.weight`,
+`train/optimizer/state/3/exp_avg`, `rank0001/rng/torch`), its whole shape and dtype, and is stored as pieces,
+each an n-d box of it (offsets and lengths per dimension) that one rank wrote contiguously into its part file;
+the trees refer to tensors by name, and state.pt holds the index of every piece (`build_index`), so a reader
+reads any box of any tensor by byte ranges (`ckptboxes`). State that is equal on every rank (a replicated
+model, a plain optimizer) is written once, whole: the tensors are dealt to the ranks largest first, each to the
+rank with the fewest bytes so far (as torch.distributed.checkpoint deduplicates replicated tensors), so W ranks
+write about 1/W of the bytes each, in parallel. Sharded state (ZeRO's slices of parameters and optimizer
+state) is written by the rank that owns it, as boxes of the whole tensors: a run saved on W ranks at any stage
+is read by W' ranks at any stage, each reading what it will own. A part file is raw tensor bytes behind a JSON
+header (no pickle); the small trees go through torch.save and load with weights_only=True. Every file is hashed
+while it is written (no second pass over the bytes) and fsynced.
+
+Format 1 (checkpoints of earlier versions: numbered whole tensors, a sharded optimizer's slices as per-rank
+trees) is still read (`read_part`), whole, by rank 0.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ from ..base.errors import CheckpointError, brief, describe
 MARKER = "COMPLETE"
 STATE = "state.pt"
 RANKS = "ranks.pt"
-PART_MAGIC = b"HPCTPRT1"
+FORMAT = 2
+PART_MAGIC = b"HPCTPRT2"  # format 2: named pieces
+PART_MAGIC_1 = b"HPCTPRT1"  # format 1: numbered whole tensors (read only)
 _ALIGN = 64
-_REF = "__hpctrain_tensor__"
+REF = "__hpctrain_tensor__"
 
 
 def part_name(rank: int) -> str:
@@ -63,19 +73,6 @@ def meta_digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def to_host(obj: Any) -> Any:
-    """A deep copy of a state tree with every tensor cloned to CPU memory (the snapshot at the step boundary)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_host(v) for v in obj)
-    return obj
-
-
 def split_tensors(tree: Any, first: int = 0) -> tuple[Any, list[Any]]:
     """(the tree with each tensor replaced by a numbered reference, from `first` on, the tensors in that order)."""
     import torch
@@ -85,7 +82,7 @@ def split_tensors(tree: Any, first: int = 0) -> tuple[Any, list[Any]]:
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             tensors.append(obj)
-            return {_REF: first + len(tensors) - 1}
+            return {REF: first + len(tensors) - 1}
         if isinstance(obj, dict):
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -95,14 +92,36 @@ def split_tensors(tree: Any, first: int = 0) -> tuple[Any, list[Any]]:
     return walk(tree), tensors
 
 
+def split_named(tree: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """(the tree with each tensor replaced by a reference to its name, {name: tensor}); a tensor's name is its
+    path in the tree under `prefix` (`model/fc.weight`), and a reference already in the tree stays as it is."""
+    import torch
+
+    tensors: dict[str, Any] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors[path] = obj
+            return {REF: path}
+        if isinstance(obj, dict):
+            if len(obj) == 1 and REF in obj:
+                return obj
+            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj))
+        return obj
+
+    return walk(tree, prefix), tensors
+
+
 def join_tensors(tree: Any, tensors: dict[int, Any], where: str) -> Any:
     """The inverse of split_tensors."""
     if isinstance(tree, dict):
-        if len(tree) == 1 and _REF in tree:
-            if tree[_REF] not in tensors:
-                raise CheckpointError(f"checkpoint {where!r} refers to tensor {brief(tree[_REF], 20)}, which no part "
+        if len(tree) == 1 and REF in tree:
+            if tree[REF] not in tensors:
+                raise CheckpointError(f"checkpoint {where!r} refers to tensor {brief(tree[REF], 20)}, which no part "
                                       "file holds")
-            return tensors[tree[_REF]]
+            return tensors[tree[REF]]
         return {k: join_tensors(v, tensors, where) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(join_tensors(v, tensors, where) for v in tree)
@@ -131,35 +150,48 @@ def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def write_part(path: Path, tensors: dict[int, Any]) -> str:
-    """Write {id: contiguous CPU tensor} as raw bytes behind a JSON header, fsynced; return the sha256.
+def piece(name: str, tensor: Any, shape: Any = None, start: Any = None) -> dict[str, Any]:
+    """A part-file entry for `tensor` as the box at `start` (default: the origin) of tensor `name` of whole
+    `shape` (default: the tensor's own: a whole tensor)."""
+    size = list(tensor.shape)
+    return {"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(shape) if shape is not None else size,
+            "start": list(start) if start is not None else [0] * len(size), "size": size,
+            "nbytes": tensor.numel() * tensor.element_size()}
 
-    Layout: 8 bytes magic, 8 bytes header length (little endian), the header padded to 64 bytes, then each
-    tensor's bytes at a 64-byte aligned offset from the end of the header."""
+
+def part_header(entries: list[dict[str, Any]]) -> tuple[bytes, int]:
+    """(the JSON header of a part file holding `entries` in order, the file offset its data starts at); sets
+    each entry's "offset" (from the data's start, 64-byte aligned). A pure function: a rank knows where each of
+    its pieces will lie before it writes them."""
+    offset = 0
+    for entry in entries:
+        entry["offset"] = offset
+        offset = _padded(offset + entry["nbytes"])
+    head = json.dumps({"byteorder": sys.byteorder, "pieces": entries}).encode()
+    head += b" " * (_padded(16 + len(head)) - 16 - len(head))
+    return head, 16 + len(head)
+
+
+def write_part(path: Path, head: bytes, entries: list[dict[str, Any]], tensors: list[Any]) -> str:
+    """Write a part file: 8 bytes magic, 8 bytes header length (little endian), the header (`part_header`), then
+    each tensor's bytes (contiguous, C order) at its entry's offset; fsynced. Returns the sha256."""
     import torch
 
-    entries, offset = [], 0
-    for i, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        entries.append({"id": int(i), "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                        "offset": offset, "nbytes": nbytes})
-        offset = _padded(offset + nbytes)
-    head = json.dumps({"byteorder": sys.byteorder, "tensors": entries}).encode()
-    head += b" " * (_padded(16 + len(head)) - 16 - len(head))
     sha = hashlib.sha256()
     with open(path, "wb") as fh:
         written = 0
         for chunk in (PART_MAGIC, len(head).to_bytes(8, "little"), head):
             sha.update(chunk)
             fh.write(chunk)
-        for entry, t in zip(entries, tensors.values()):
+        for entry, t in zip(entries, tensors):
             if written < entry["offset"]:
                 pad = b"\0" * (entry["offset"] - written)
                 sha.update(pad)
                 fh.write(pad)
                 written = entry["offset"]
             if entry["nbytes"]:
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                view = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
                 sha.update(view)
                 fh.write(view)
                 written += entry["nbytes"]
@@ -168,26 +200,59 @@ def write_part(path: Path, tensors: dict[int, Any]) -> str:
     return sha.hexdigest()
 
 
-def read_part(path: Path) -> dict[int, Any]:
-    """The tensors of a part file, each read into its own memory (no pickle, nothing executed)."""
+def build_index(parts: list[tuple[int, int, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    """The index state.pt holds: {name: {"shape", "dtype", "pieces": [[part, start, size, file offset], ...]}}
+    from every part's (number, data offset, entries). A box written by several ranks (a scalar every owner of a
+    slice holds, such as Adam's step) is listed once; ranks that disagree on a tensor's shape or dtype are a
+    CheckpointError."""
+    index: dict[str, dict[str, Any]] = {}
+    for part, base, entries in parts:
+        for e in entries:
+            entry = index.setdefault(e["name"], {"shape": e["shape"], "dtype": e["dtype"], "pieces": []})
+            if entry["shape"] != e["shape"] or entry["dtype"] != e["dtype"]:
+                raise CheckpointError(f"the ranks hold tensor {e['name']!r} with different shapes or dtypes "
+                                      f"({entry['shape']} {entry['dtype']}, {e['shape']} {e['dtype']}); a checkpoint "
+                                      "needs the same model and optimizer on every rank")
+            if all(p[1] != e["start"] or p[2] != e["size"] for p in entry["pieces"]):
+                entry["pieces"].append([part, e["start"], e["size"], base + e["offset"]])
+    return index
 
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint part {str(path)!r} is malformed: {why}")
 
+def _bad_part(path: Path) -> Any:
+    return lambda why: CheckpointError(f"checkpoint part {str(path)!r} is malformed: {why}")
+
+
+def _open_header(fh: Any, path: Path, magic: bytes) -> tuple[int, dict[str, Any], int]:
+    """(header length, header, file size) of the part file open in `fh`, checked: magic, length, JSON, byte order."""
+    bad = _bad_part(path)
+    if fh.read(8) != magic:
+        raise bad("wrong magic bytes")
+    size = int.from_bytes(fh.read(8), "little")
+    total = os.fstat(fh.fileno()).st_size
+    if size > total - 16:
+        raise bad(f"header length {size} exceeds the file")
+    try:
+        header = decode_json(fh.read(size))
+    except ValueError as exc:
+        raise bad(f"its header is {exc}") from None
+    if not isinstance(header, dict) or header.get("byteorder") != sys.byteorder:
+        order = header.get("byteorder") if isinstance(header, dict) else None
+        raise bad(f"written on a {brief(order, 20)}-endian machine, this one is {sys.byteorder}-endian")
+    return size, header, total
+
+
+def read_header(path: Path) -> tuple[int, list[dict[str, Any]]]:
+    """(the file offset a part file's data starts at, its piece entries) of a part file of format 2."""
     with open(path, "rb") as fh:
-        if fh.read(8) != PART_MAGIC:
-            raise bad("wrong magic bytes")
-        size = int.from_bytes(fh.read(8), "little")
-        total = os.fstat(fh.fileno()).st_size
-        if size > total - 16:
-            raise bad(f"header length {size} exceeds the file")
-        try:
-            header = decode_json(fh.read(size))
-        except ValueError as exc:
-            raise bad(f"its header is {exc}") from None
-        if not isinstance(header, dict) or header.get("byteorder") != sys.byteorder:
-            order = header.get("byteorder") if isinstance(header, dict) else None
-            raise bad(f"written on a {brief(order, 20)}-endian machine, this one is {sys.byteorder}-endian")
+        size, header, _ = _open_header(fh, path, PART_MAGIC)
+    return 16 + size, header.get("pieces", [])
+
+
+def read_part(path: Path) -> dict[int, Any]:
+    """The tensors of a part file of format 1, each read into its own memory (no pickle, nothing executed)."""
+    bad = _bad_part(path)
+    with open(path, "rb") as fh:
+        size, header, total = _open_header(fh, path, PART_MAGIC_1)
         try:
             return _read_tensors(fh, header.get("tensors", []), 16 + size, total, bad)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:

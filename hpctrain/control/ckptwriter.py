@@ -23,7 +23,8 @@ from typing import Any, Callable
 from ..base.durable import NO_SPACE, free_bytes, fsync_dir, human_bytes
 from ..base.errors import CheckpointError, HpctrainError, describe
 from ..trace.spans import TRACER
-from .ckptformat import MARKER, RANKS, STATE, discard, meta_digest, part_name, save_hashed, write_bytes, write_part
+from .ckptformat import (MARKER, RANKS, STATE, build_index, discard, meta_digest, part_name, save_hashed, write_bytes,
+                         write_part)
 
 
 class Staging:
@@ -61,8 +62,9 @@ class Staging:
 
 class AsyncWriter:
     """Writes one checkpoint at a time in the background, on every rank. A job (built by the policy) holds
-    `step`, `tmp` (the temporary directory), `final` (the directory it is renamed to) and `parts` (this rank's
-    snapshot); on rank 0 also `skeleton`, `ranks` and `meta`. `on_complete` runs in rank 0's completer after
+    `step`, `tmp` (the temporary directory), `final` (the directory it is renamed to), `head` and `entries`
+    (this rank's part header and pieces) and `parts` (their tensors, a snapshot); on rank 0 also `skeleton`,
+    `ranks` (what every rank sent: its state tree, layout digest and pieces) and `meta`. `on_complete` runs in rank 0's completer after
     each rename (the policy prunes old checkpoints there)."""
 
     def __init__(self, comm: Any, *, log: Any = None, on_complete: Callable[[], None] | None = None):
@@ -93,17 +95,19 @@ class AsyncWriter:
         """This rank's part (and on rank 0 the trees and the gathered rank states), in the background."""
         start, cpu = time.perf_counter(), time.thread_time()
         tmp, name = job["tmp"], job["tmp"].name  # the file (or directory) being written, for the error
-        need = sum(t.numel() * t.element_size() for t in job["parts"].values())
+        need = sum(t.numel() * t.element_size() for t in job["parts"])
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             name = part_name(self.comm.rank)
-            digests = {name: write_part(tmp / name, job["parts"])}
+            digests = {name: write_part(tmp / name, job["head"], job["entries"], job["parts"])}
             sizes = {name: (tmp / name).stat().st_size}
             if self.comm.rank == 0:
                 if len({r["layout"] for r in job["ranks"]}) > 1:
                     raise CheckpointError("the ranks hold model or optimizer state of different dtypes or shapes; a "
                                           "checkpoint needs the same model and optimizer on every rank")
-                for name, tree in ((STATE, job["skeleton"]), (RANKS, [r["state"] for r in job["ranks"]])):
+                index = build_index([(r, *got["pieces"]) for r, got in enumerate(job["ranks"])])
+                for name, tree in ((STATE, {**job["skeleton"], "index": index}),
+                                   (RANKS, [r["state"] for r in job["ranks"]])):
                     digests[name] = save_hashed(tmp / name, tree)
             self._own = {"digests": digests, "sizes": sizes, "error": None, "need": need}
         except BaseException as exc:  # noqa: BLE001 - gathered by rank 0, reported by wait()

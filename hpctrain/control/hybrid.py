@@ -68,9 +68,12 @@ class Parallel:
         return {"layout": {"data": lay.data, "tensor": lay.tensor, "pipe": lay.pipe}, "micro_batches": self.micro,
                 **({"pipeline_schedule": self.pipeline.kind} if self.pipeline is not None else {})}
 
-    def finish_state(self, model: Any) -> tuple[dict[str, Any] | None, str, bool]:
+    def finish_state(self, model: Any, sync: Any = None) -> tuple[dict[str, Any] | None, str, bool]:
         """(the whole model's state_dict on rank 0, else None; its sha256; whether the ranks agree), a
-        collective of every rank."""
+        collective of every rank (with ZeRO 3, `sync` gathers a plain run's model unit by unit)."""
+        if self.pipeline is None:
+            digest, state = param_sha256(model, sync, keep=self.world.rank == 0)
+            return state, digest, len(set(self.world.allgather(digest))) == 1
         state = self.whole_state(model)
         digest, in_sync = self._digest_and_sync(model, state)
         return state, digest, in_sync
@@ -131,10 +134,12 @@ class Parallel:
                 g.mul_(coef)
 
     def evaluate(self, model: Any, reader: Any, *, watchdog: Any = None, step: int = 0,
-                 precision: str = "fp32") -> dict[str, float]:
-        """Validation over every replica's validation shards (per token for a language model)."""
+                 precision: str = "fp32", every_batch: bool = False) -> dict[str, float]:
+        """Validation over every replica's validation shards (per token for a language model); `every_batch`:
+        every rank runs a forward for every batch, empty ones too (ZeRO 3: a forward gathers, a collective)."""
         if self.pipeline is None:
-            return evaluate(model, reader, self.world, watchdog=watchdog, step=step, precision=precision)
+            return evaluate(model, reader, self.world, watchdog=watchdog, step=step, precision=precision,
+                            every_batch=every_batch)
         import torch
 
         stage, g = self.pipeline.stage, self.groups
@@ -160,10 +165,8 @@ class Parallel:
         return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}
 
     def whole_state(self, model: Any) -> dict[str, Any] | None:
-        """The whole model's state_dict on world rank 0 (None elsewhere), gathered from the first replica's
-        ranks (a collective of every rank)."""
-        if self.pipeline is None:
-            return model.state_dict() if self.world.rank == 0 else None
+        """A split run's whole model: its state_dict on world rank 0 (None elsewhere), gathered from the first
+        replica's ranks (a collective of every rank)."""
         import torch
 
         stage, g = self.pipeline.stage, self.groups
@@ -187,9 +190,6 @@ class Parallel:
         """The whole model's sha256 (param_sha256 of its state_dict, as a data-parallel run has it) and
         whether the ranks agree: every replica holds the same stage shares, and every tensor-parallel rank the
         same whole tensors (a collective of every rank)."""
-        if self.pipeline is None:
-            digest = param_sha256(model)
-            return digest, len(set(self.world.allgather(digest))) == 1
         import torch
 
         g = self.groups
@@ -206,7 +206,7 @@ class Parallel:
             replicas[(t, p)].add(o)
             wholes[p].add(w)
         in_sync = all(len(v) == 1 for v in [*replicas.values(), *wholes.values()])
-        digest = param_sha256(_Holder(state)) if state is not None else None
+        digest = param_sha256(_Holder(state))[0] if state is not None else None
         return self.world.bcast(digest), in_sync
 
 
@@ -216,7 +216,7 @@ class _Holder:
     def __init__(self, state: dict[str, Any]):
         self._state = state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, keep_vars: bool = False) -> dict[str, Any]:
         return self._state
 
 

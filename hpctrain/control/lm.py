@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..comm.wire import torch_dtype
 from ..compute.models import build_model
 from ..data.shardformat import ShardSet
 
@@ -85,15 +86,12 @@ def rates(precision: str, shardset: ShardSet, model: Any, comm: Any, device: Any
 def flops_and_peak(model: Any, seq_len: int, comm: Any, device: Any, precision: str) -> tuple[float, float]:
     """(training FLOPs per token of `model`, the peak FLOP/s of every rank's device in `precision`, summed):
     the two inputs of MFU. Every rank measures at once, as they will train (collective)."""
-    import torch
-
     from ..compute.gpt import GPT, measure_peak_flops, model_flops_per_token
 
     if isinstance(model, GPT):
         fpt = model_flops_per_token(model, seq_len)
     else:  # a user's model: 6 N, its attention unseen
         fpt = 6 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     comm.barrier()
-    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=dtype, seconds=0.3)])[0])
+    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=torch_dtype(precision), seconds=0.3)])[0])
     return float(fpt), peak

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from ..comm.wire import torch_dtype
+
 
 def autocast(device: Any, precision: str) -> Any:
     """The autocast context of `precision` on `device` (nothing for fp32)."""
@@ -21,8 +23,7 @@ def autocast(device: Any, precision: str) -> Any:
 
     if precision == "fp32":
         return contextlib.nullcontext()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch_dtype(precision))
 
 
 class LossScaler:

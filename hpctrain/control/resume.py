@@ -1,5 +1,6 @@
-"""What a checkpoint of a run holds and how a run resumes from one: which checkpoint `--resume` names, what
-changed in the config since, the state saved at a step boundary (`state`) and loaded back (`restore`).
+"""How a run resumes: which checkpoint `--resume` names, what changed in the config since, the state saved at a
+step boundary (`state`) and loaded back (`restore`), both through `ckptstate` as the library's do (a run split
+over ranks with --tp/--pp: through `layoutfree`, in the same format).
 
 The trainer asks on rank 0 (`resolve`: the latest complete checkpoint, verified, or the one named), and warns
 about every change of the config since that checkpoint (`config_changes`) before it loads the state.
@@ -7,16 +8,21 @@ about every change of the config since that checkpoint (`config_changes`) before
 
 from __future__ import annotations
 
+import resource
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from . import checkpoint as ckpt
-from . import layoutfree, rngstate
+from . import ckptstate, layoutfree, rngstate
 from ..base.config import TrainConfig
 from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
-from ..comm import checkpoint_entries, load_entries
+from ..comm import Comm
+from ..data.shardformat import ShardSet
+from .ckptload import Loaded, open_checkpoint
+from .runstate import Start
+from .watchdog import Watchdog
 
 
 def _threads() -> int:
@@ -27,6 +33,34 @@ def _threads() -> int:
 # what may change between the segments of one run without changing what it computes
 NOT_A_CHANGE = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", "log_every", "checkpoint_every", "keep",
                 "stage_to", "keep_staged", "tp", "pp", "micro_batches", "pipeline_schedule"}
+
+
+def start_point(comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Watchdog, *, data: Path,
+                budget: float, data_ranks: int) -> Start:
+    """Where to start: fresh, or the checkpoint at `path` (opened: its small files read on rank 0, broadcast;
+    `budget`: the watchdog's for rank 0's reading, `data`: --data, for the message). The epoch's segments are
+    counted in data-parallel ranks (`data_ranks`: the readers' world)."""
+    if path is None:
+        return Start()
+    watchdog.phase("opening the checkpoint", 0, budget=budget if comm.rank else None)
+    state = open_checkpoint(path, comm, verified=True)
+    watchdog.idle()
+    meta = state.meta
+    if meta["data_fingerprint"] != shardset.fingerprint:
+        comm.agree(CheckpointError(
+            f"checkpoint {str(path)!r} was written for another dataset (manifest fingerprint "
+            f"{meta['data_fingerprint'][:12]}, --data {str(data)!r} has {shardset.fingerprint[:12]}): "
+            "point --data at the original shards or start a new --run-dir"))
+    segments = [tuple(seg) for seg in meta.get("segments", [])]
+    if not segments and meta["step_in_epoch"]:
+        segments = [(meta["world_size"], meta["step_in_epoch"])]
+    start = Start(step=int(meta["step"]), epoch=int(meta["epoch"]), resumed_from=int(meta["step"]), path=path,
+                  state=state)
+    if segments and segments[-1][0] == data_ranks:
+        start.prior, start.in_epoch = segments[:-1], segments[-1][1]
+    else:
+        start.prior = segments  # elastic: a new segment of this epoch on this world size
+    return start
 
 
 def resolve(resume: str, run_dir: Path, warn: Callable[[str], Any]) -> Path | None:
@@ -50,14 +84,14 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if k not in NOT_A_CHANGE and old.get(k) != new.get(k)]
 
 
-def kept_reducer(zero: ZeroConfig, state: dict[str, Any] | None, world: int) -> str | None:
+def kept_reducer(zero: ZeroConfig, state: Loaded | None, world: int) -> str | None:
     """With --zero-reduce auto, the reducer the checkpoint's run chose (on the same world size), else None.
 
     auto times the reducers at start-up and keeps the fastest; on 3 or more ranks they sum in different
     orders, so a resume that chose anew could continue with other bits than the run it resumes."""
-    if zero.zero_reduce != "auto" or state is None or state["meta"].get("world_size") != world:
+    if zero.zero_reduce != "auto" or state is None or state.meta.get("world_size") != world:
         return None
-    return state["meta"].get("zero_reduce")
+    return state.meta.get("zero_reduce")
 
 
 def thread_change(saved: int | None) -> list[str]:
@@ -75,8 +109,8 @@ def restore(run: Any) -> dict[str, int]:
     """Load the checkpoint's state into the run (RNG streams only on the world size that wrote them); say what
     changed since. Returns every audit file's line count at the checkpoint."""
     cfg, comm, start = run.cfg, run.comm, run.start
-    state = start.state
-    meta = state["meta"]
+    loaded = start.state
+    meta = loaded.meta
     changes = config_changes(TrainConfig.upgrade(meta.get("config", {})), cfg.to_dict())
     planned = meta.get("schedule_steps")
     if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
@@ -100,30 +134,29 @@ def restore(run: Any) -> dict[str, int]:
             run.log.warning("%s", change)
             if comm.rank == 0:
                 print(f"warning: {change}", file=sys.stderr)
-    owns = [r.get("own") or {} for r in state["ranks"]]  # each rank's own state: optimizer slices, error feedback
-    if run.par.plain and not meta.get("layout_free"):
-        run.model.load_state_dict(state["model"])
-        run.model.to(run.device)
-        load_entries(run.optimizer, state["train"]["optimizer"], [own.get("optimizer") for own in owns])
-    else:  # a split run's checkpoint, or a split run: whole tensors by name, this rank's share of each
-        layoutfree.restore(run, state)
-    run.scheduler.load_state_dict(state["train"]["scheduler"])
-    if run.scaler is not None and "scaler" in state["train"]:
-        run.scaler.load_state_dict(state["train"]["scaler"])
+    if run.par.plain:
+        ckptstate.restore(loaded, run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler)
+    else:  # this rank's share of each whole tensor, whatever layout wrote them
+        layoutfree.restore(loaded, run.model, run.optimizer)
+        ckptstate.restore_schedule(loaded, run.scheduler, run.scaler)
+    run.model.to(run.device)
     if same:
-        rngstate.restore(state["ranks"][comm.rank]["rng"])
-        if owns[comm.rank].get("compress") is not None:
-            unfit = run.sync.load_compressor_state(owns[comm.rank]["compress"])
+        mine = ckptstate.rank_state(loaded, comm.rank)
+        rngstate.restore(mine["rng"])
+        if mine.get("compress") is not None:
+            unfit = run.sync.load_compressor_state(mine["compress"])
             if unfit:
                 run.log.warning("%s", unfit)
-    elif any(own.get("compress") is not None for own in owns):
+    elif any("compress" in r for r in loaded.ranks):
         run.log.warning("the error feedback of --grad-compression starts empty: the checkpoint holds %d ranks' "
                         "errors, this run has %d", meta["world_size"], comm.size)
     known = {**meta.get("audit_frozen", {}),
-             **{f"rank-{r:04d}.txt": int(st["audit_lines"]) for r, st in enumerate(state["ranks"])}}
+             **{f"rank-{r:04d}.txt": int(st["audit_lines"]) for r, st in enumerate(loaded.ranks)}}
     run.audit_frozen = {name: n for name, n in known.items() if int(name[5:9]) >= comm.size}
-    run.log.info("resumed from %s (step %d, epoch %d, step %d of the epoch)", start.path, start.step, start.epoch,
-                 start.in_epoch)
+    run.log.info("resumed from %s (step %d, epoch %d, step %d of the epoch); read %d bytes of its tensors; peak RSS "
+                 "so far %d", start.path, start.step, start.epoch, start.in_epoch, loaded.reader.bytes_read,
+                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    loaded.reader.close()
     return known
 
 
@@ -139,26 +172,13 @@ def _layout_of(run: Any) -> list[int]:
 
 def state(run: Any, sink: Any, epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
     """What a checkpoint at this step boundary holds (called only when one is written): a split run's model
-    and optimizer layout-free, each rank its shares (layoutfree.split_state)."""
-    split: dict[str, Any] = {}
-    if run.par.plain:
-        optimizer, shard = checkpoint_entries(run.optimizer)  # a sharded optimizer: the layout, and this rank's slices
-        model = run.model.state_dict()
-    else:
-        optimizer, shard, split = layoutfree.split_state(run)
-        model = {}
-    compressor = run.sync.compressor_state()  # error feedback and warm starts: this rank's own
+    and optimizer as each rank's shares of the whole tensors (`layoutfree.capture`)."""
+    rank_state = {"rng": rngstate.capture(), "audit_lines": sink.flush_audit()}
+    meta = {"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
+            "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
+            "config": run.cfg.to_dict(), "schedule_steps": run.total_steps, "layout": _layout_of(run),
+            "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None)}
     if not run.par.plain:
-        own = {**shard, "compress": compressor}
-    else:
-        own = None if shard is None and compressor is None else {"optimizer": shard, "compress": compressor}
-    return dict(
-        model_state=model, shard_state=own,
-        train_state={"optimizer": optimizer, "scheduler": run.scheduler.state_dict(),
-                     **({"scaler": run.scaler.state_dict()} if run.scaler is not None else {})},
-        rank_state={"rng": rngstate.capture(), "audit_lines": sink.flush_audit()},
-        meta={"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
-              "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
-              "config": run.cfg.to_dict(), "schedule_steps": run.total_steps,
-              "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None), **split},
-    )
+        return layoutfree.capture(run, rank_state=rank_state, meta=meta)
+    return ckptstate.capture(run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler,
+                             rank_state=rank_state, meta=meta)

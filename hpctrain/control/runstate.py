@@ -16,7 +16,9 @@ from ..data.reader import ShardReader
 from ..data.shardformat import ShardSet
 from . import checkpoint as ckpt
 from . import lm
+from .ckptload import Loaded
 from .hybrid import Parallel
+from .plan import Plan
 from .precision import LossScaler
 from .tracing import Timeline
 from .watchdog import Watchdog
@@ -32,7 +34,7 @@ class Start:
     prior: list[tuple[int, int]] = field(default_factory=list)  # (data-parallel ranks, steps) of the epoch's earlier segments
     resumed_from: int | None = None
     path: Path | None = None
-    state: dict[str, Any] | None = None  # the checkpoint: meta, model, train, ranks
+    state: Loaded | None = None  # the checkpoint, opened (its tensors are read by `resume.restore`)
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ class Run:
     staged: staging.Staged = field(default_factory=staging.Staged)  # what --stage-to copied
     timeline: Timeline | None = None  # --trace
     par: Parallel | None = None  # how the run is split over the ranks (plain data parallelism, or --tp/--pp)
+    plan: Plan | None = None  # the memory plan (hpctrain plan) the run logs and checks its peak against
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Comm, GradSync, ShardedOptimizer, ZeroSync
+from ..comm import Comm, GradSync, ShardedOptimizer
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..base.rankenv import RankEnv
@@ -24,17 +24,26 @@ from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 
 
-def param_sha256(model: Any) -> str:
-    """sha256 over the model's state_dict tensors, in key order: equal on every rank when ranks are in sync."""
+def param_sha256(model: Any, sync: Any = None, keep: bool = False) -> tuple[str, dict[str, Any] | None]:
+    """(sha256 over the model's state_dict tensors in key order, equal on every rank when ranks are in sync;
+    with `keep`, the state_dict as CPU copies). At ZeRO stage 3 the model is gathered unit by unit through
+    `sync` (collective: every rank calls this), never whole on a rank that does not `keep` it."""
     import torch
 
     digest = hashlib.sha256()
-    for key, tensor in model.state_dict().items():
+    kept: dict[str, Any] | None = {} if keep else None
+    copies: dict[int, Any] = {}  # a tensor under two keys (tied weights) is kept once, as torch.save keeps it
+    items = sync.state_items(model) if sync is not None else model.state_dict(keep_vars=True).items()
+    for key, tensor in items:
         digest.update(key.encode())
         t = tensor.detach().cpu().contiguous().view(-1)
-        if t.numel():
-            digest.update(t.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        if t.numel():  # hashed from a copy: Tensor.numpy() would pin the size of a ZeRO 3 parameter's storage
+            digest.update(t.view(torch.uint8).clone().numpy())
+        if kept is not None:
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
+            kept[key] = copies[id(tensor)]
+    return digest.hexdigest(), kept
 
 
 def auto_overlap(env: RankEnv, device_type: str) -> bool:
@@ -73,7 +82,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
         sync.enabled = i == len(bounds) - 2
-        if hi == lo:
+        if hi == lo and sync.stage != 3:  # ZeRO 3 gathers parameters in forward: every rank runs every one
             continue
         xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
         if xt.dtype != torch.float32 and xt.dtype != torch.int64:  # int64: token ids
@@ -92,6 +101,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     sync.wait()
     clock.lap("wait")
     if scaler is not None and not scaler.unscale(sync.grad_tensors(), sync.comm):
+        clock.done()
         return loss_value  # an inf or NaN on some rank: every rank skips this step
     if clip_grad:
         clip = getattr(optimizer, "clip_grad_norm_", None)  # a sharded optimizer clips its slices
@@ -101,6 +111,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
     clock.lap("optimizer")
+    clock.done()
     return loss_value
 
 
@@ -114,6 +125,16 @@ class _Clock:
         if self.on:
             self.hooks = sync.hook_seconds
             self.last = time.perf_counter()
+            gathers = getattr(sync.strategy, "gather_seconds", None)  # ZeRO 3
+            self.gathers = (gathers, sync.strategy.wait_seconds) if gathers is not None else None
+
+    def done(self) -> None:
+        """The step is over: ZeRO 3's gather time and the part of it forward and backward waited for."""
+        if self.phases is not None and self.gathers is not None:
+            strategy = self.sync.strategy
+            for key, now, before in (("gathers", strategy.gather_seconds, self.gathers[0]),
+                                     ("gather_wait", strategy.wait_seconds, self.gathers[1])):
+                self.phases[key] = self.phases.get(key, 0.0) + now - before
 
     def lap(self, phase: str) -> None:
         if not self.on:
@@ -162,27 +183,24 @@ def make_optimizer(cfg: OptimizerConfig, params: Any) -> Any:
 def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: Any, comm: Comm, overlap: bool, *,
               reduce: str | None = None, alone: Any = ()) -> tuple[GradSync, Any]:
     """The gradient sync and the optimizer of a run, from its communication, ZeRO and optimizer sections: an
-    allreduce and a plain optimizer, or with --zero 1/2 a reduce-scatter and an optimizer that steps only this
-    rank's slices (parameters become bucket views); `reduce` overrides --zero-reduce (a resume keeps the
-    reducer its checkpoint was written with); each parameter of `alone` is a bucket by itself (a pipeline's
-    tied embedding/head, whose reduced gradient is then summed between two stages)."""
+    allreduce and a plain optimizer, or with --zero 1-3 a reduce-scatter and an optimizer that steps only this
+    rank's slices (parameters become bucket views; at stage 3 gathered by module only while in use);
+    `reduce` overrides --zero-reduce (a resume keeps the reducer its checkpoint was written with); each
+    parameter of `alone` is a bucket by itself (a pipeline's tied embedding/head, whose reduced gradient is then
+    summed between two stages)."""
     optimizer = make_optimizer(opt, model.parameters())
-    if zero.zero:
-        sync = ZeroSync(model.parameters(), comm, stage=zero.zero, bucket_mb=wire.bucket_mb, overlap=overlap,
-                        compress=wire.grad_compression, deterministic=wire.deterministic,
-                        reduce=reduce or zero.zero_reduce, alone=alone)
-        return sync, ShardedOptimizer(optimizer, sync)
-    sync = GradSync(model.parameters(), comm, bucket_mb=wire.bucket_mb, overlap=overlap,
-                    compress=wire.grad_compression, hierarchical=wire.hierarchical, deterministic=wire.deterministic,
-                    alone=alone)
-    return sync, optimizer
+    sync = GradSync(model.parameters(), comm, stage=zero.zero, module=model, bucket_mb=wire.bucket_mb,
+                    overlap=overlap, compress=wire.grad_compression, hierarchical=wire.hierarchical,
+                    deterministic=wire.deterministic, reduce=reduce or zero.zero_reduce, alone=alone)
+    return sync, (ShardedOptimizer(optimizer, sync) if zero.zero else optimizer)
 
 
 def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,
-             step: int = 0, precision: str = "fp32") -> dict[str, float]:
+             step: int = 0, precision: str = "fp32", every_batch: bool = False) -> dict[str, float]:
     """Validation loss and accuracy over all ranks' validation shards (per token for a language model).
     Only the final reduction is a wait on other ranks (watched); the pass itself, however long, is this
-    rank's own work."""
+    rank's own work, but with `every_batch` (ZeRO 3: each forward gathers parameters, a collective) every rank
+    runs a forward for every step of the pass, empty batches included."""
     import torch
 
     started = time.perf_counter()
@@ -191,7 +209,7 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     with torch.no_grad():
         for batch in reader.epoch(0):
-            if not len(batch.y):
+            if not len(batch.y) and not every_batch:
                 continue
             device = next(model.parameters()).device
             x = torch.from_numpy(batch.x).to(device)

@@ -22,12 +22,12 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 
 from . import checkpoint as ckpt
 from . import hybrid, lm, resume, runlog
+from . import plan as memplan
 from ..comm import Comm, world
 from ..base.config import TrainConfig
 from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, ParallelConfig, ZeroConfig
@@ -36,13 +36,13 @@ from ..data.reader import ShardReader, epoch_remainder
 from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import replacing, write_failure, write_text
 from ..base.rankenv import RankEnv, read_env, select_device
-from ..base.errors import CheckpointError, ConfigError, HpctrainError
+from ..base.errors import ConfigError, HpctrainError
 from .runlog import RunLog
 from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
 from .precision import LossScaler
 from .step import auto_overlap, lr_factor, make_sync
-from .runstate import Outcome, Run, Start
+from .runstate import Outcome, Run
 from .tracing import Timeline
 from .watchdog import Watchdog, end_job
 
@@ -107,6 +107,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     import torch
 
     torch.set_num_threads(env.torch_threads())
+    runtime = memplan.warm_runtime(cfg.optimizer)  # this process before any model or data: the plan's runtime
     if STOP.install():  # the CLI installed it at process start; library callers get it here
         stack.callback(STOP.restore)
     # every wait on other ranks from here on is watched; heartbeat files once the run directory exists
@@ -130,9 +131,15 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
                        watchdog=watchdog)
     watchdog.idle()
     model = par.model(model)  # a split run keeps its stage only: the whole model is freed here
-    start = _resume_point(cfg, comm, par.data.size, shardset, resume_path, watchdog)
+    start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout,
+                               data_ranks=par.data.size)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack, par)
     run.staged, run.timeline = staged, timeline
+    planned = memplan.for_run(cfg.model, shardset, world=comm.size, zero=cfg.zero, runtime=runtime, work=memplan.Workload(
+        cfg.optimizer, cfg.precision, cfg.batch_size, cfg.bucket_mb, cfg.momentum)) if par.plain else (
+        "no memory plan: the plan does not model a run split with --tp/--pp")
+    run.plan = planned if isinstance(planned, memplan.Plan) else None
+    log.info("%s", memplan.line(planned) if run.plan is not None else planned)
     audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg.run_dir, cfg.audit_samples, comm.rank, start.step, audit_lines)
     watchdog.phase("start-up agreement", start.step)
@@ -230,35 +237,8 @@ def _share_initial_weights(cfg: TrainConfig, comm: Comm, model: Any, device: Any
     torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
 
 
-def _resume_point(cfg: TrainConfig, comm: Comm, data_ranks: int, shardset: ShardSet, path: Path | None,
-                  watchdog: Watchdog) -> Start:
-    """Where to start: fresh, or the checkpoint at `path` (read on rank 0, broadcast); the epoch's segments are
-    counted in data-parallel ranks (`data_ranks`: the readers' world)."""
-    if path is None:
-        return Start()
-    watchdog.phase("loading the checkpoint", 0, budget=cfg.checkpoint_timeout if comm.rank else None)
-    state = ckpt.load_broadcast(path, comm, verified=True)
-    watchdog.idle()
-    meta = state["meta"]
-    if meta["data_fingerprint"] != shardset.fingerprint:
-        comm.agree(CheckpointError(
-            f"checkpoint {str(path)!r} was written for another dataset (manifest fingerprint "
-            f"{meta['data_fingerprint'][:12]}, --data {str(cfg.data)!r} has {shardset.fingerprint[:12]}): "
-            "point --data at the original shards or start a new --run-dir"))
-    segments = [tuple(seg) for seg in meta.get("segments", [])]
-    if not segments and meta["step_in_epoch"]:
-        segments = [(meta["world_size"], meta["step_in_epoch"])]
-    start = Start(step=int(meta["step"]), epoch=int(meta["epoch"]), resumed_from=int(meta["step"]), path=path,
-                  state=state)
-    if segments and segments[-1][0] == data_ranks:
-        start.prior, start.in_epoch = segments[:-1], segments[-1][1]
-    else:
-        start.prior = segments  # elastic: a new segment of this epoch on this world size
-    return start
-
-
 def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watchdog: Watchdog, shardset: ShardSet,
-           model: Any, device: Any, start: Start, stack: contextlib.ExitStack, par: hybrid.Parallel) -> Run:
+           model: Any, device: Any, start: Any, stack: contextlib.ExitStack, par: hybrid.Parallel) -> Run:
     """Readers of this replica's shards (over the data-parallel group), optimizer, LR schedule over the planned
     steps, gradient sync and checkpoint manager."""
     import torch
@@ -377,7 +357,7 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
         started = time.perf_counter()
         watchdog.at_edge(edge_budget(run.cfg.collective_timeout))  # its reduction waits for the slowest rank's pass
         out.last_val = run.par.evaluate(run.model, run.val_reader, watchdog=watchdog, step=out.step,
-                                        precision=run.cfg.precision)
+                                        precision=run.cfg.precision, every_batch=run.cfg.zero == 3)
         watchdog.at_edge(None)
         out.last_val.update(run.rates.validation(out.last_val))
         out.val_step = out.step
@@ -411,11 +391,19 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     paused = out.paused + run.manager.stall_seconds
     samples_per_s = out.samples / max(train_time - paused, 1e-9) if out.samples else None
     if out.val_step != step and run.val_reader is not None:  # the final model's, not an earlier epoch's
-        out.last_val = run.par.evaluate(run.model, run.val_reader, watchdog=watchdog, step=step, precision=cfg.precision)
+        out.last_val = run.par.evaluate(run.model, run.val_reader, watchdog=watchdog, step=step, precision=cfg.precision,
+                                        every_batch=cfg.zero == 3)
         out.last_val.update(run.rates.validation(out.last_val))
     traced = run.timeline.close()  # with --trace: RUN/trace.json and the straggler verdict (rank 0)
-    watchdog.phase("summary reductions", step)
-    whole, digest, in_sync = run.par.finish_state(run.model)
+    watchdog.phase("memory reductions", step)
+    memory = memplan.measured(run.sync, run.optimizer, comm, run.log.info)  # before the final model (whole on rank 0)
+    unplanned = memplan.departure(run.plan, memory) if run.plan is not None else None
+    if unplanned:
+        run.log.warning("%s", unplanned)
+        if comm.rank == 0:
+            print(f"warning: {unplanned}", file=sys.stderr)
+    watchdog.phase("summary reductions; the final model (ZeRO 3 gathers it unit by unit)", step)
+    whole, digest, in_sync = run.par.finish_state(run.model, run.sync)
     e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
     final_loss = sink.last_epoch_loss(comm) if e_n == 0 else e_loss / e_n
     watchdog.idle()
@@ -433,6 +421,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         "skipped_steps": run.scaler.skipped if run.scaler is not None else 0,
         "torch_threads": torch.get_num_threads(), **run.rates.summary(samples_per_s or 0.0, out.last_val),
         "checkpoint": m.summary(cfg.checkpoint_every == "auto", train_time), **traced,
+        "memory": {**memory, "plan": memplan.as_dict(run.plan) if run.plan is not None else None},
     }
     if comm.rank == 0:
         path = cfg.run_dir / "model.pt"

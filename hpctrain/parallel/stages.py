@@ -26,7 +26,7 @@ from torch import nn
 
 from ..base.errors import ConfigError
 from .groups import Groups
-from ..comm.zero import shard_bounds
+from ..comm.buckets import shard_bounds
 from .layout import ModelLimits
 from .tensor import (TensorParallelBlock, VocabEmbedding, VocabHead, tensor_pieces, vocab_argmax,
                      vocab_cross_entropy)

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from ..comm import Comm
 from ..comm.p2p import allreduce_
-from ..comm.zero import shard_bounds
+from ..comm.buckets import shard_bounds
 
 
 class _ToGroup(torch.autograd.Function):

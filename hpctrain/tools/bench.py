@@ -201,6 +201,9 @@ def _phases(comm: Comm, step: Callable[..., None], steps: int, step_ms: float,
     values = comm.allreduce_array([phases.get(k, 0.0) / steps * 1e3 for k in names], op="max")
     out = dict(zip(names, (float(v) for v in values)))
     out["other"] = max(0.0, step_ms - sum(out.values()))
+    if "gathers" in phases:  # ZeRO 3, inside forward and backward: the gathers, and the part they were waited for
+        got = comm.allreduce_array([phases["gathers"] / steps * 1e3, phases["gather_wait"] / steps * 1e3], op="max")
+        out.update(gathers=float(got[0]), gather_wait=float(got[1]))
     return out, traced
 
 
@@ -244,7 +247,7 @@ def _memory(comm: Comm, model: Any, sync: Any, opt: Any) -> dict[str, float]:
     RSS of the process so far; each the largest over the ranks."""
     import resource
 
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sync.param_bytes()  # at ZeRO 3: this rank's slices (no unit is gathered between steps)
     if hasattr(opt, "state_bytes"):
         state = opt.state_bytes()
     else:

@@ -215,6 +215,12 @@ def _unsplit(d: Draft, value: Any) -> Any:
     return None if (d.opts["tp"] or 1) * (d.opts["pp"] or 1) > 1 else value
 
 
+def _zero(d: Draft, stage: int) -> int:
+    """`stage`, or 2 for 3 in a case split by --tp/--pp (which refuses --zero 3; drawn all the same: the stream
+    stays as it was)."""
+    return 2 if stage == 3 and (d.opts["tp"] or 1) * (d.opts["pp"] or 1) > 1 else stage
+
+
 def _checkpoint_timeout(d: Draft) -> float | None:
     # a stopped rank in a checkpoint write is waited for this long: short enough for the event's window
     return d.pick(10.0, 20.0, 30.0) if d.event == "stop-rank" else d.pick(None, None, 60.0, 0.0)
@@ -249,8 +255,8 @@ SPACE: dict[str, Drawn | Excluded] = {
     "warmup": Drawn("0, 3, 20 steps", lambda d: d.pick(0, 0, 0, 3, 20)),
     "clip_grad": Drawn("0 (none), 0.5, 2", lambda d: d.pick(0.0, 0.0, 0.5, 2.0)),
     "shuffle": Drawn("on, off", lambda d: d.rng.random() < 0.7),
-    "zero": Drawn("0, 1, 2", lambda d: d.pick(0, 0, 0, 1, 2)),
-    "zero_reduce": Drawn("with --zero 1/2: auto, reduce-scatter-block, reduce-scatter, allreduce",
+    "zero": Drawn("0, 1, 2, 3 (2 for 3 with --tp/--pp: refused)", lambda d: _zero(d, d.pick(0, 0, 0, 1, 2, 3))),
+    "zero_reduce": Drawn("with --zero 1-3: auto, reduce-scatter-block, reduce-scatter, allreduce",
                          lambda d: d.pick(None, "reduce-scatter-block", "reduce-scatter", "allreduce")
                          if d.opts["zero"] else None),
     "grad_compression": Drawn("none, fp16, bf16, powersgd, powersgd:2, topk, topk:0.1 (16-bit only with --zero)",
@@ -315,12 +321,13 @@ def _set(**values: Any) -> Callable[[Draft], None]:
 
 
 def _zero_compressed(d: Draft) -> None:
-    d.opts.update(zero=d.pick(1, 2), grad_compression=d.pick("powersgd", "topk:0.1"), hierarchical=False)
+    d.opts.update(zero=d.pick(1, 2, 3), grad_compression=d.pick("powersgd", "topk:0.1"), hierarchical=False)
 
 
 def _zero_hierarchical(d: Draft) -> None:
     wire = d.opts["grad_compression"]
-    d.opts.update(zero=d.pick(1, 2), hierarchical=True, grad_compression=wire if wire in ("none", "fp16", "bf16") else "none")
+    d.opts.update(zero=d.pick(1, 2, 3), hierarchical=True,
+                  grad_compression=wire if wire in ("none", "fp16", "bf16") else "none")
 
 
 REFUSALS: dict[str, Refusal] = {
@@ -357,7 +364,8 @@ def _comparable(**more: Any) -> Callable[[dict], None]:
 
 
 def _other_stage(rng: random.Random, o: dict) -> dict:
-    stage = rng.choice([s for s in (0, 1, 2) if s != o["zero"]])
+    split = (o.get("tp") or 1) * (o.get("pp") or 1) > 1  # a split run refuses --zero 3
+    stage = rng.choice([s for s in (0, 1, 2, 3) if s != o["zero"] and not (split and s == 3)])
     return dict(o, zero=stage, zero_reduce=o["zero_reduce"] if stage else None)
 
 

@@ -72,8 +72,12 @@ def test_a_checkpoint_of_one_layout_resumes_in_another(layouts: Path) -> None:
     s = summary(layouts / "saved")
     assert s["resumed_from"] == 4 and s["steps"] == 8 and s["layout"] == {"data": 2, "tensor": 1, "pipe": 2}
     meta = json.loads((layouts / "saved" / "checkpoints" / "step-0000004" / "meta.json").read_text())
-    assert meta["layout"] == [2, 2, 1] and meta["layout_free"]
-    assert meta["whole"]["tok_emb.weight"] == [[257, 32], "torch.float32"]  # 257 ids over T = 2: 129 + 128
+    assert meta["layout"] == [2, 2, 1] and meta["layout_free"] and meta["format"] == 2
+    index = torch.load(layouts / "saved" / "checkpoints" / "step-0000004" / "state.pt", weights_only=True)["index"]
+    emb = index["model/tok_emb.weight"]  # 257 ids over T = 2: 129 + 128, each tensor rank's share one box
+    assert emb["shape"] == [257, 32] and sorted(p[1:3] for p in emb["pieces"]) == [[[0, 0], [129, 32]],
+                                                                                   [[129, 0], [128, 32]]]
+    assert "model/head.weight" not in index  # the tied head is the embedding's name
     assert _gap(_model(layouts / "saved"), _model(layouts / "2-2-1")) < TOLERANCE
     # and between a split run and plain data parallelism, both ways: the (2,1,1) run's model
     for name, layout in (("plain-saved", {"data": 2, "tensor": 2, "pipe": 1}),

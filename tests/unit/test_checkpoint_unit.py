@@ -4,6 +4,7 @@ over ranks, and a save/load round trip (one process, no MPI: the multi-rank test
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from hpctrain.control import checkpoint as ckpt
-from hpctrain.control import ckptformat, ckptwriter
+from hpctrain.control import ckptboxes, ckptformat, ckptwriter
 from hpctrain.comm import Comm
 from hpctrain.base.durable import sha256_file
 from hpctrain.base.errors import CheckpointError
@@ -32,41 +33,86 @@ def test_staging_reuses_buffers_and_snapshots_are_independent_of_training() -> N
     assert set(staging.buffers) == {0, 2}  # a tensor no longer written frees its buffer
 
 
+def _write_whole(directory: Path, tensors: dict[str, torch.Tensor]) -> ckptboxes.Reader:
+    """Write `tensors` whole into part 0 of `directory` and return a reader over it."""
+    entries = [ckptformat.piece(name, t) for name, t in tensors.items()]
+    head, base = ckptformat.part_header(entries)
+    digest = ckptformat.write_part(directory / ckptformat.part_name(0), head, entries, list(tensors.values()))
+    assert digest == sha256_file(directory / ckptformat.part_name(0))
+    assert ckptformat.read_header(directory / ckptformat.part_name(0)) == (base, entries)
+    return ckptboxes.Reader(directory, ckptformat.build_index([(0, base, entries)]))
+
+
 def test_part_file_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
-    tensors = {0: torch.randn(5, 7), 3: torch.arange(11, dtype=torch.int64), 4: torch.tensor(2.5),
-               7: torch.randn(3).to(torch.bfloat16), 8: torch.zeros(0, 4), 9: torch.tensor([True, False, True])}
-    digest = ckptformat.write_part(tmp_path / "p.bin", tensors)
-    assert digest == sha256_file(tmp_path / "p.bin")
-    back = ckptformat.read_part(tmp_path / "p.bin")
-    assert set(back) == set(tensors)
-    for key, t in tensors.items():
-        assert back[key].dtype == t.dtype and back[key].shape == t.shape and torch.equal(back[key], t)
+    tensors = {"a": torch.randn(5, 7), "b/c": torch.arange(11, dtype=torch.int64), "d": torch.tensor(2.5),
+               "e": torch.randn(3).to(torch.bfloat16), "f": torch.zeros(0, 4), "g": torch.tensor([True, False, True]),
+               "h": torch.randn(2, 3, dtype=torch.complex128)}
+    reader = _write_whole(tmp_path, tensors)
+    for name, t in tensors.items():
+        back = reader.read(name)
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    assert reader.bytes_read == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_any_box_and_any_flat_range_reads_only_its_bytes_from_pieces_of_several_parts(tmp_path: Path) -> None:
+    """A tensor written as the flat slices of three ranks (ZeRO's cut: boxes of rows and parts of rows) reads
+    back by any box (a tensor-parallel cut) and any flat range, and the reader copies out only those bytes."""
+    whole = torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7)
+    parts = []
+    for rank, (lo, hi) in enumerate([(0, 71), (71, 150), (150, 210)]):
+        entries, tensors, at = [], [], lo
+        for start, size in ckptboxes.flat_boxes(whole.shape, lo, hi):
+            n = math.prod(size)
+            tensors.append(whole.reshape(-1)[at:at + n].view(size))
+            entries.append(ckptformat.piece("w", tensors[-1], whole.shape, start))
+            at += n
+        assert at == hi and len(entries) <= 5  # at most 2 x (dims - 1) + 1 boxes
+        head, base = ckptformat.part_header(entries)
+        ckptformat.write_part(tmp_path / ckptformat.part_name(rank), head, entries, tensors)
+        parts.append((rank, base, entries))
+    reader = ckptboxes.Reader(tmp_path, ckptformat.build_index(parts))
+    assert torch.equal(reader.read("w"), whole)
+    for box in [((1, 2, 3), (3, 4, 2)), ((0, 0, 5), (5, 6, 2)), ((4, 5, 6), (1, 1, 1))]:
+        before = reader.bytes_read
+        got = reader.read("w", box)
+        assert torch.equal(got, whole[tuple(slice(s, s + n) for s, n in zip(*box))])
+        assert reader.bytes_read - before == got.numel() * 4
+    for lo, hi in [(0, 210), (5, 6), (40, 133), (69, 151)]:
+        before = reader.bytes_read
+        assert torch.equal(reader.read_flat("w", lo, hi), whole.reshape(-1)[lo:hi])
+        assert reader.bytes_read - before == (hi - lo) * 4
+    with pytest.raises(CheckpointError, match="no tensor 'v'"):
+        reader.read("v")
 
 
 @pytest.mark.skipif(sys.byteorder != "little", reason="the header records the byte order")
 def test_part_file_bytes_are_pinned(tmp_path: Path) -> None:
-    """The part-file layout is a file format: checkpoints written by earlier versions must still load, so the
-    bytes written for the same tensors never change (the digest is that of the layout as first released)."""
+    """The part-file layout is a file format: checkpoints written by earlier versions must still load, so a part
+    file of format 1 (tests/golden/part-format1.bin, as first released) reads back as it was written, and the
+    bytes written for the same pieces in format 2 never change."""
+    old = ckptformat.read_part(Path(__file__).parents[1] / "golden" / "part-format1.bin")
     tensors = {0: torch.arange(6, dtype=torch.float32).reshape(2, 3), 2: torch.tensor([1, -2, 3], dtype=torch.int64),
                5: torch.tensor([0.5, -1.5]).to(torch.bfloat16), 7: torch.zeros(0, 3), 9: torch.tensor(True)}
-    digest = ckptformat.write_part(tmp_path / "p.bin", tensors)
-    assert digest == "64bf34a119033a288f113610c2eb66855b837e60b6f3826bedb4feafc8a48270"
-    back = ckptformat.read_part(tmp_path / "p.bin")
-    assert all(torch.equal(back[key], t) and back[key].dtype == t.dtype for key, t in tensors.items())
+    assert all(torch.equal(old[key], t) and old[key].dtype == t.dtype for key, t in tensors.items())
+    entries = [ckptformat.piece(f"t/{key}", t) for key, t in tensors.items()]
+    head, _ = ckptformat.part_header(entries)
+    digest = ckptformat.write_part(tmp_path / "p.bin", head, entries, list(tensors.values()))
+    assert digest == "764141b8f9a564f67a014c1e4c791c3f36cc569a1af0b1a75442c85bbffa9ea2"
 
 
 def test_part_file_damage_is_a_clear_error(tmp_path: Path) -> None:
-    ckptformat.write_part(tmp_path / "p.bin", {0: torch.randn(1000)})
-    data = (tmp_path / "p.bin").read_bytes()
-    (tmp_path / "short.bin").write_bytes(data[:-100])
-    with pytest.raises(CheckpointError, match="does not fit"):
-        ckptformat.read_part(tmp_path / "short.bin")
-    (tmp_path / "magic.bin").write_bytes(b"NOTAPART" + data[8:])
+    reader = _write_whole(tmp_path, {"w": torch.randn(1000)})
+    part = tmp_path / ckptformat.part_name(0)
+    data = part.read_bytes()
+    part.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        ckptboxes.Reader(tmp_path, reader.index).read("w")
+    part.write_bytes(b"NOTAPART" + data[8:])
     with pytest.raises(CheckpointError, match="magic"):
-        ckptformat.read_part(tmp_path / "magic.bin")
-    (tmp_path / "dtype.bin").write_bytes(data.replace(b'"float32"', b'"Tensor "'))
+        ckptformat.read_header(part)
+    reader.index["w"]["dtype"] = "Tensor "
     with pytest.raises(CheckpointError, match="unknown dtype"):
-        ckptformat.read_part(tmp_path / "dtype.bin")
+        reader.read("w")
 
 
 def test_writers_share_the_bytes_evenly_and_agree_without_talking() -> None:

@@ -21,7 +21,7 @@ COMM = Path(wire.__file__).parent
 # MPI calls that take buffers, and the arguments that may stand there without buffer_spec
 BUFFER_CALLS = {"Allreduce", "Reduce", "Bcast", "Allgather", "Allgatherv", "Reduce_scatter", "Reduce_scatter_block",
                 "Alltoall", "Alltoallv", "Send", "Recv", "Isend", "Irecv", "Sendrecv", "Gather", "Scatter"}
-SPEC_MAKERS = {"buffer_spec", "_vspec"}
+SPEC_MAKERS = {"buffer_spec", "vspec"}
 # host-only call sites: small numpy vectors and bytes that never live on a GPU (world.Comm's helpers, the clock
 # exchange's one float64)
 HOST_ONLY = {("world.py", "allreduce_array"), ("world.py", "broadcast_tensors"), ("world.py", "allreduce_inplace"),

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import hpctrain
 from hpctrain.base.errors import CheckpointError, ConfigError
 from hpctrain.comm import ShardedOptimizer, ZeroSync, full_state, self_comm
-from hpctrain.comm.zero import plan_segments, shard_bounds
+from hpctrain.comm.buckets import plan_segments, shard_bounds
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
@@ -111,9 +111,11 @@ def test_a_non_elementwise_optimizer_or_a_closure_is_refused() -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--zero", "3"], "--zero 3 must be 0"),
+    (["--zero", "4"], "--zero 4 must be 0"),
     (["--zero", "1", "--hierarchical"], "does not combine with --hierarchical"),
+    (["--zero", "3", "--grad-compression", "powersgd"], "does not combine with --zero 3"),
     (["--zero", "2", "--zero-reduce", "ring"], "--zero-reduce"),
+    (["--zero", "3", "--tp", "2"], "--zero 3 does not combine with --tp 2"),
 ])
 def test_bad_zero_settings_fail_in_one_line_before_anything_is_written(tmp_path, digits2, args, message) -> None:
     run = tmp_path / "run"
@@ -121,3 +123,48 @@ def test_bad_zero_settings_fail_in_one_line_before_anything_is_written(tmp_path,
     assert proc.returncode != 0
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not run.exists()
+
+
+def test_zero_3_units_are_the_elements_of_containers_and_a_weight_used_twice_is_the_root_s() -> None:
+    from hpctrain.comm.buckets import trainable_in_backward_order
+    from hpctrain.comm.zero3 import group_by_unit
+    from hpctrain.compute.gpt import GPT
+
+    gpt = GPT(11, 8, layers=3, dim=16, heads=2)
+    units = group_by_unit(gpt, trainable_in_backward_order(gpt.parameters()))
+    assert [type(m).__name__ for _, m in units] == ["Block", "Block", "Block", "GPT"]  # backward order, root last
+    root = {id(p) for p in units[-1][0]}
+    assert id(gpt.tok_emb.weight) in root and gpt.head.weight is gpt.tok_emb.weight  # tied: whole at both uses
+    assert {id(p) for p in units[0][0]} == {id(p) for p in gpt.blocks[2].parameters()}
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.weight = a.weight  # one weight in two units: the root's, whole wherever it is used
+    seq = torch.nn.Sequential(torch.nn.Linear(3, 4), a, torch.nn.ReLU(), torch.nn.Sequential(b, torch.nn.Linear(4, 2)))
+    units = group_by_unit(seq, trainable_in_backward_order(seq.parameters()))
+    assert [m for _, m in units][-1] is seq and [p for p in units[-1][0]] == [a.weight]
+    assert [m for _, m in units][:-1] == [seq[3][1], b, a, seq[0]]
+    with pytest.raises(ConfigError, match="give the model"):
+        ZeroSync(gpt.parameters(), self_comm(), stage=3)
+
+
+def test_stage_3_on_one_rank_steps_like_stage_0_and_hands_out_the_whole_model() -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model.load_state_dict(plain.state_dict())
+    sync = ZeroSync(model.parameters(), self_comm(), stage=3, module=model)
+    sharded = ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), sync)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(4, 5)
+        opt.zero_grad()
+        plain(x).square().sum().backward()
+        opt.step()
+        sharded.zero_grad()
+        model(x).square().sum().backward()
+        sync.wait()
+        sharded.step()
+    whole = dict(sync.state_items(model))
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(whole[key].detach(), value)
+    assert sync.param_bytes() == sum(p.numel() * 4 for p in plain.parameters())
+    sync.close()

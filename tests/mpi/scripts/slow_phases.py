@@ -25,10 +25,10 @@ if mode == "validation":
 else:
     write_part = ckpt.write_part
 
-    def slow_write_part(path, tensors):
+    def slow_write_part(path, *args):
         if comm.rank == 1:
             time.sleep(5)  # a slow parallel filesystem under rank 1's part
-        return write_part(path, tensors)
+        return write_part(path, *args)
 
     ckpt.write_part = slow_write_part
 # validation: a whole epoch, so that it runs inside the loop at the epoch's end, as in any real run

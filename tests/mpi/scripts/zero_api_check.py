@@ -1,5 +1,5 @@
-"""Under mpirun -n N: the library's DistributedOptimizer(zero=1|2) steps like zero=0 (Adam, clipped), and a
-Checkpointer of a sharded run restores into another stage with the same optimizer state."""
+"""Under mpirun -n N: the library's DistributedOptimizer(zero=1|2|3) steps like zero=0 (Adam, clipped), and a
+Checkpointer of a sharded run restores into another stage with the same optimizer state and model."""
 
 import sys
 import tempfile
@@ -33,24 +33,27 @@ def train(model: torch.nn.Module, opt: hpctrain.DistributedOptimizer, steps: int
 
 plain, plain_opt = build(0)
 train(plain, plain_opt, 5)
-for zero in (1, 2):
+for zero in (1, 2, 3):
     model, opt = build(zero)
     train(model, opt, 5)
-    for a, b in zip(plain.parameters(), model.parameters()):
-        assert (a - b).abs().max() < 1e-6, (zero, (a - b).abs().max())
+    weights = opt.model_state_dict(rank=None)  # at zero=3 gathered unit by unit (collective)
+    for key, value in plain.state_dict().items():
+        assert (value - weights[key]).abs().max() < 1e-6, (zero, key, (value - weights[key]).abs().max())
     assert hpctrain.ranks_in_sync(model)
-    if zero == 2:
+    if zero == 3:
         ck = hpctrain.Checkpointer(run_dir, every=0)
         ck.close(5, model, opt)
         whole = opt.state_dict()  # collective: every rank's slices joined
     opt.close()
-for zero in (0, 1):
+for zero in (0, 1, 3):
     model, opt = build(zero)
     assert hpctrain.Checkpointer(run_dir, every=0).restore(model, opt) == 5
     got = opt.state_dict()
     for index, saved in whole["state"].items():
         for key, value in saved.items():
             assert torch.equal(got["state"][index][key], value), (zero, index, key)
+    back = opt.model_state_dict(rank=None)
+    assert all(torch.equal(back[key], value) for key, value in weights.items()), zero
     opt.close()
 if ctx.rank == 0:
     print("ZERO API OK", ctx.world_size)

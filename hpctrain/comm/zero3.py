@@ -1,0 +1,334 @@
+"""ZeRO stage 3 of the gradient engine: the parameters are sharded too, gathered by module only while in use.
+
+Units, as FSDP2's per-module units: every element of the model's `nn.Sequential`, `nn.ModuleList` and
+`nn.ModuleDict` containers (an element that is itself a container is split further) is a unit, and the rest
+of the model's parameters (embeddings, a head, a final norm: what the model's own forward touches) form the
+root unit. A parameter that more than one unit uses, or that a module outside its unit registers (a weight
+tied across units), belongs to the root unit, so it is whole wherever it is used. Each unit's trainable
+parameters are one bucket: units in reverse registration order (backward order), the root last.
+
+Each rank keeps only its slice of every bucket (`bucket.owned`; the optimizer steps it in place). The bucket's
+flat parameter memory (`bucket.param_flat`, of which every parameter is a view) holds no bytes until needed:
+- before a unit's forward (a forward pre-hook) its slices are allgathered into that memory, and the next unit
+  in forward order is prefetched on the communication thread (with overlap; without, gathers run inline);
+- after its forward (a forward hook) the memory is released (its storage resized to nothing: autograd's
+  saved views of it stay valid and see the bytes again once it is gathered again), except for the root and
+  the last unit of the forward, which backward needs first;
+- before its backward (a hook on the unit's outputs' gradients) the unit is gathered again and the previous
+  unit prefetched; once backward has accumulated every gradient of the unit, they are packed into that same
+  gathered memory (nothing reads the parameters again this step), reduce-scattered into this rank's slice
+  as at stage 2, and the memory is released.
+So a rank holds 1/W of the parameters, gradients and optimizer state, plus the units in use (two, or three
+while one is prefetched) and the root unit during forward and backward. The forward order is recorded in the
+first forward; every rank runs the same modules in the same order, so every rank issues the same gathers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterator
+
+from ..base.errors import CommError
+from .buckets import Bucket, Strategy, flatten_params, pack, sharded_bucket
+from .zero import allreduce_into_shard, reduce_into_shard, unpacked
+
+CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
+
+
+def unit_modules(root: Any) -> list[Any]:
+    """The modules that are units of `root`, in registration order: the elements of its containers."""
+    import torch
+
+    kinds = tuple(getattr(torch.nn, name) for name in CONTAINERS)
+    units: list[Any] = []
+
+    def elements(container: Any) -> None:
+        for element in container.children():
+            if isinstance(element, kinds):
+                elements(element)
+            elif any(True for _ in element.parameters()) and all(element is not u for u in units):
+                units.append(element)
+
+    def visit(module: Any) -> None:
+        for child in module.children():
+            if isinstance(child, kinds):
+                elements(child)
+            else:
+                visit(child)
+
+    if isinstance(root, kinds):
+        elements(root)
+    else:
+        visit(root)
+    return units
+
+
+def group_by_unit(root: Any, ordered: list[Any]) -> list[tuple[list[Any], Any]]:
+    """`ordered` (trainable parameters, backward order) grouped into units: [(parameters, unit module)],
+    units in reverse registration order, then the root's own (module `root`), empty groups left out."""
+    units = unit_modules(root)
+    owner: dict[int, int | None] = {}
+    inside: set[int] = set()
+    for i, unit in enumerate(units):
+        inside.update(id(m) for m in unit.modules())
+        for p in unit.parameters():
+            owner[id(p)] = i if owner.get(id(p), i) == i else None  # in two units: the root's
+    for module in root.modules():
+        if id(module) not in inside:
+            for p in module._parameters.values():
+                if p is not None:
+                    owner[id(p)] = None  # registered outside every unit too (a tied weight): the root's
+    groups: list[list[Any]] = [[] for _ in units] + [[]]
+    for p in ordered:
+        index = owner.get(id(p))
+        groups[len(units) if index is None else index].append(p)
+    modules = [*units, root]
+    out = [(groups[i], modules[i]) for i in reversed(range(len(units)))]
+    out.append((groups[-1], root))
+    return [(group, module) for group, module in out if group]
+
+
+def _tensors(obj: Any) -> Iterator[Any]:
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+class Unit:
+    """One bucket's modules and the state of its gathered parameters: released, pending (a gather submitted)
+    or gathered."""
+
+    __slots__ = ("bucket", "module", "root", "state", "event", "error", "accumulated", "lock")
+
+    def __init__(self, bucket: Bucket, module: Any, root: bool):
+        self.bucket, self.module, self.root = bucket, module, root
+        self.state = "gathered"
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+        self.accumulated: set[int] = set()  # gradients accumulated in this backward without a reduction
+        self.lock = threading.Lock()
+
+
+class ShardedParams(Strategy):
+    """The ZeRO stage 3 strategy of `engine` (a GradSync) over `module`."""
+
+    stage = 3
+    COLLECTIVE = "reduce-scatter"
+    eager = True  # free each unit's gradients (and parameters) as soon as its backward is done
+
+    def __init__(self, engine: Any, module: Any):
+        self.engine, self.module = engine, module
+        self.units: list[Unit] = []
+        self.order: list[Unit] = []  # units in the order of the first forward
+        self.recording = True
+        self._hooks: list[Any] = []
+        self.gather_seconds = 0.0  # spent in the gathers (on the communication thread with overlap), summed
+        self.wait_seconds = 0.0  # spent by forward and backward waiting for a unit's gather: what prefetch hides
+
+    def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
+        """A bucket per unit: its parameters become views into the bucket's flat memory, this rank keeps a copy
+        of its slice (`owned`), and the flat memory is released."""
+        e = self.engine
+        buckets = []
+        for index, (group, module) in enumerate(group_by_unit(self.module, ordered)):
+            bucket = sharded_bucket(index, group, e.comm.size, e.comm.rank, e.dtype, e.device)
+            bucket.param_flat = flatten_params(bucket, e.dtype, e.device)
+            # a world of one: the slice is the whole bucket, the same memory, never released
+            bucket.owned = bucket.param_flat if e.comm.size == 1 else bucket.param_flat[bucket.lo:bucket.hi].clone()
+            bucket.unit = Unit(bucket, module, module is self.module)
+            self.units.append(bucket.unit)
+            buckets.append(bucket)
+            self._release(bucket.unit)  # before the next unit: never more than one unit whole beside the model
+        return buckets
+
+    def start(self) -> None:
+        """Hook every unit's forward, and the model's (which holds the root unit, or none)."""
+        root = next((u for u in self.units if u.root), None)
+        self._hooks.append(self.module.register_forward_pre_hook(lambda m, a: self._before_forward(root)))
+        self._hooks.append(self.module.register_forward_hook(lambda m, a, out: self._after_root(root, out)))
+        for unit in self.units:
+            if not unit.root:
+                self._hooks.append(unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._before_forward(u)))
+                self._hooks.append(unit.module.register_forward_hook(lambda m, a, out, u=unit: self._after_forward(u, out)))
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # -- before forward (and before backward) ----------------------------------------------------------
+    def _before_forward(self, unit: Unit | None) -> None:
+        if unit is None:  # the model holds no parameters outside its units
+            return
+        self.gather(unit)
+        if self.recording:
+            if unit not in self.order:
+                self.order.append(unit)
+        else:
+            self.prefetch(unit, +1)
+
+    def _after_root(self, unit: Unit | None, output: Any) -> None:
+        """The model's forward is done: its order is known from the first one on."""
+        self.recording = False
+        if unit is not None:
+            self._after_forward(unit, output)
+
+    def _after_forward(self, unit: Unit, output: Any) -> None:
+        import torch
+
+        outputs = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        for t in outputs:
+            t.register_hook(lambda grad, u=unit: self._before_backward(u))
+        if outputs and (unit.root or (not self.recording and unit is self.order[-1])):
+            return  # backward needs it throughout (the root), or first (the last unit of the forward)
+        self._release(unit)
+
+    def _before_backward(self, unit: Unit) -> None:
+        self.gather(unit)
+        self.prefetch(unit, -1)
+
+    def gather(self, unit: Unit) -> None:
+        """Make `unit`'s parameters whole here: wait for its prefetch, or gather it now."""
+        if unit.state == "gathered":
+            return
+        start = time.perf_counter()
+        if unit.state == "released":
+            self._submit(unit)
+        if unit.state == "pending":
+            self.engine.await_done(unit.event)
+            unit.state = "gathered"
+            self.wait_seconds += time.perf_counter() - start
+            if unit.error is not None:
+                error, unit.error = unit.error, None
+                raise CommError(f"gathering the parameters of {type(unit.module).__name__} failed on rank "
+                                f"{self.engine.comm.rank}: {error!r}") from error
+
+    def prefetch(self, unit: Unit, step: int) -> None:
+        """With overlap, start gathering the unit after `unit` (step +1) or before it (-1) in forward order."""
+        if not self.engine.threaded or unit not in self.order:
+            return
+        at = self.order.index(unit) + step
+        if 0 <= at < len(self.order) and self.order[at].state == "released":
+            self._submit(self.order[at])
+
+    def _submit(self, unit: Unit) -> None:
+        unit.state = "pending"
+        unit.event.clear()
+        self.engine.submit(lambda: self._allgather(unit), unit.event)
+
+    def _allgather(self, unit: Unit) -> None:
+        """The allgather of `unit`'s slices into its flat memory (on the communication thread, or inline)."""
+        bucket = unit.bucket
+        start = time.perf_counter()
+        try:
+            storage = bucket.param_flat.untyped_storage()
+            storage.resize_(bucket.numel * bucket.param_flat.element_size())
+            full, owned = bucket.param_flat, bucket.owned
+            staged = full.is_cuda and self.engine.staging
+            if staged:
+                full, owned = full.new_empty(full.shape, device="cpu"), owned.cpu()
+            self.engine.gather(bucket, full, owned)
+            if staged:
+                bucket.param_flat.copy_(full)
+        except BaseException as exc:  # noqa: BLE001 - raised by gather() in the thread that needs the unit
+            unit.error = exc
+        finally:
+            self.gather_seconds += time.perf_counter() - start
+
+    def _release(self, unit: Unit) -> None:
+        """Give back `unit`'s flat parameter memory (its views keep their shapes and see no bytes)."""
+        if self.engine.comm.size == 1:
+            return
+        bucket = unit.bucket
+        try:
+            bucket.param_flat.untyped_storage().resize_(0)
+        except RuntimeError:  # its memory was handed out through Tensor.numpy(), which pins a storage's size:
+            # new memory for the parameters (autograd's saved views keep the old, with the same values, alive)
+            flat = bucket.param_flat.new_empty(bucket.numel)
+            offset = 0
+            for p in bucket.params:
+                p.data = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            bucket.param_flat = flat
+            flat.untyped_storage().resize_(0)
+        unit.state = "released"
+        unit.accumulated.clear()
+
+    # -- after backward --------------------------------------------------------------------------------
+    def reduce(self, bucket: Bucket) -> None:
+        """Pack the unit's gradients into its gathered parameter memory (its backward is done: nothing reads
+        the parameters again this step, so no buffer of its own is needed), reduce-scatter them into this
+        rank's slice, release the memory."""
+        flat = bucket.param_flat
+        if self.engine.comm.size > 1 and flat.untyped_storage().nbytes() == 0:  # never gathered this step
+            flat.untyped_storage().resize_(bucket.numel * flat.element_size())
+        buffer = flat if self.engine.comm.size > 1 else flat.new_empty(bucket.numel)
+        if unpacked(self.engine, bucket):  # large gradients summed in their own memory, no packed copy
+            allreduce_into_shard(self.engine, bucket, buffer)
+        else:
+            reduce_into_shard(self.engine, pack(bucket, buffer), bucket)
+        if self.engine.comm.size > 1:
+            self._release(bucket.unit)
+
+    def accumulated(self, param: Any) -> None:
+        """Backward gave `param` its gradient with the reduction off (an accumulation's micro-batch): once the
+        whole unit has its gradients, its parameters are released (the last micro-batch reduces them)."""
+        unit = self.engine.bucket_of(param).unit
+        unit.accumulated.add(id(param))
+        if len(unit.accumulated) == len(unit.bucket.params) and unit.state == "gathered":
+            self._release(unit)
+
+    def settle(self) -> None:
+        """After every reduction of a step: no unit stays gathered (one prefetched but never used, or a unit
+        that got no gradient)."""
+        for unit in self.units:
+            if unit.state == "pending":
+                self.gather(unit)
+            if unit.state == "gathered":
+                self._release(unit)
+
+    def whole(self, model: Any) -> Iterator[tuple[str, Any]]:
+        """(key, parameter or buffer) of `model.state_dict()` in order, each unit gathered while its keys are read and
+        released after (the root's until the end): the whole model, never more than one unit of it at once
+        beside the root. Collective: every rank iterates to the end."""
+        held: Unit | None = None
+        try:
+            for key, value in model.state_dict(keep_vars=True).items():
+                bucket = self.engine.bucket_of(value) if self.engine.owns(value) else None
+                if bucket is not None and bucket.unit is not held:
+                    if held is not None and not held.root:
+                        self._release(held)
+                    self.gather(bucket.unit)
+                    held = bucket.unit
+                yield key, value
+        finally:
+            self.settle()
+
+    # -- after the optimizer step: nothing (the next forward gathers) ----------------------------------
+    def after_step(self) -> None:
+        """Nothing: each unit is gathered from the stepped slices when its forward comes."""
+
+    # -- what a step holds -------------------------------------------------------------------------------
+    def grad_tensors(self) -> list[Any]:
+        return [b.shard for b in self.engine.buckets]
+
+    def grad_bytes(self) -> int:
+        buckets = self.engine.buckets
+        held = sum(b.shard.numel() * b.shard.element_size() for b in buckets)
+        return held + sum(p.grad.numel() * p.grad.element_size() for b in buckets for p in b.params
+                          if p.grad is not None)
+
+    def param_bytes(self) -> int:
+        """This rank's slices, and the flat memory of the units gathered now."""
+        buckets = self.engine.buckets
+        owned = sum(b.owned.numel() * b.owned.element_size() for b in buckets if b.owned is not b.param_flat)
+        return owned + sum(b.param_flat.untyped_storage().nbytes() for b in buckets)
