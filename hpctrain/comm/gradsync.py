@@ -322,7 +322,7 @@ class GradSync:
         would leave the others waiting forever. The one hook of the flight recorder for every bucket's sum
         (flat, hierarchical, rank-ordered, 16-bit, compressed, ZeRO's reduce-scatter): its bytes on the wire."""
         seq = RECORDER.begin(self.COLLECTIVE, bucket.index, self.compress if self.compress != "none" else self.dtype,
-                             counter=self._wire_round)
+                             counter=self._wire_round, group=self.comm.flight)
         try:
             self._reduce(bucket)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() in the caller's thread

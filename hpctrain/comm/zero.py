@@ -136,7 +136,8 @@ class ZeroSync(GradSync):
         for bucket in self.buckets:
             flat = bucket.param_flat
             host = flat.cpu() if flat.is_cuda and self._staging else flat
-            seq = RECORDER.begin("allgather", bucket.index, self.dtype, nbytes=host.numel() * host.element_size())
+            seq = RECORDER.begin("allgather", bucket.index, self.dtype, nbytes=host.numel() * host.element_size(),
+                                 group=self.comm.flight)
             if len(set(bucket.counts)) == 1:
                 self.comm.mpi.Allgather(MPI.IN_PLACE, buffer_spec(host, MPI))
             else:
