@@ -136,8 +136,9 @@ def line_up(world: int, dumps: dict[int, dict[str, Any]], beats: dict[int, dict[
             if r in group[1]:
                 entered.setdefault(group, {})[r] = n
     order = sorted(entered, key=lambda g: (g[0] != "world", g[0], g[1]))
-    found = [f for g in order if (f := _diverge(g, world, recs, entered[g])) is not None]
     stuck = _stuck_transfers(dumps, recs, world)
+    blocked = {t["rank"]: t["peer"] for t in stuck}
+    found = [f for g in order if (f := _diverge(g, world, recs, entered[g], blocked)) is not None]
     if found:
         first = found[0]
         out.update({k: first[k] for k in ("seq", "collective", "bucket", "step", "phase", "finished", "waiting",
@@ -161,9 +162,10 @@ def line_up(world: int, dumps: dict[int, dict[str, Any]], beats: dict[int, dict[
     return out
 
 
-def _diverge(group: Group, world: int, recs: dict[int, list[dict[str, Any]]],
-             entered: dict[int, int]) -> dict[str, Any] | None:
-    """The first collective of `group` where its members that dumped diverge (None: they agree)."""
+def _diverge(group: Group, world: int, recs: dict[int, list[dict[str, Any]]], entered: dict[int, int],
+             blocked: dict[int, int]) -> dict[str, Any] | None:
+    """The first collective of `group` where its members that dumped diverge (None: they agree). `blocked`:
+    {rank: the peer it waits for in a stuck transfer} (named above: a member that never arrived for that)."""
     have = sorted(entered)
     maps = {r: {rec["gseq"]: rec for rec in recs[r] if rec["group"] == group and rec["peer"] < 0} for r in have}
     lo = max(min(maps[r], default=entered[r]) for r in have)
@@ -186,7 +188,8 @@ def _diverge(group: Group, world: int, recs: dict[int, list[dict[str, Any]]],
                      f"{_ranks(missing)} never arrived" if missing else ""]
             text = f"{label} diverge at collective {_describe(row)}: " + "; ".join(p for p in parts if p)
             if missing:
-                text += " (" + "; ".join(_last(r, recs[r]) for r in missing) + ")"
+                text += " (" + "; ".join(f"rank {r} waits for rank {blocked[r]}, above" if r in blocked
+                                         else _last(r, recs[r]) for r in missing) + ")"
             return {**base, "collective": row["op"], "bucket": row["bucket"], "step": row["step"],
                     "phase": row["phase"], "finished": finished, "text": text}
     return None
