@@ -42,9 +42,9 @@ from ..base.durable import write_text
 
 CAPACITY = 1024  # records kept per process (a power of two); a step of the reference MLP makes about 6
 FIELDS = ("seq", "op", "bucket", "bytes", "dtype", "phase", "step", "enqueue", "start", "end", "thread", "group", "gseq",
-          "peer", "micro")
-(_SEQ, _OP, _BUCKET, _BYTES, _DTYPE, _PHASE, _STEP, _ENQUEUE, _START, _END, _THREAD, _GROUP, _GSEQ, _PEER, _MICRO,
- _COUNTER) = range(len(FIELDS) + 1)
+          "peer", "micro")  # a row of the ring holds these, then a byte counter's value at entry (see `begin`)
+_SEQ, _BYTES, _DTYPE, _END = (FIELDS.index(name) for name in ("seq", "bytes", "dtype", "end"))
+_COUNTER = len(FIELDS)
 WORLD = 0  # the group of a record whose caller names none: every rank of the run
 
 
@@ -64,8 +64,9 @@ class FlightRecorder:
         self._handoff: dict[int, float] = {}
         self.entered = 0  # sequence number of the next record (the count entered so far)
         self.groups: list[tuple[str, tuple[int, ...] | None]] = [("world", None)]  # id -> (name, ranks of the run)
-        self._gseq: list[Any] = [itertools.count()]  # per group: its next sequence number ...
-        self.gentered: list[int] = [0]  # ... and how many it entered
+        # per group, its next sequence number (= the collectives it entered): a plain count, for the collectives of
+        # one communicator never run on two threads at once (MPI requires them in one order on every rank)
+        self.gentered: list[int] = [0]
         self.channels: dict[tuple[int, int, str], list[int]] = {}  # (group, peer, op) -> [transfers posted]
         self.blocked: tuple[int, ...] = ()  # the transfers (seq) the training thread is waiting for now
         self.micro = -1  # the pipeline's micro-batch being computed (-1: none)
@@ -82,7 +83,6 @@ class FlightRecorder:
         """Register a communicator (its `name` and its members as ranks of the run, in its rank order): the id
         its records carry. Every communicator gets its own id and numbering (`Comm` registers each once)."""
         self.groups.append((name, tuple(ranks)))
-        self._gseq.append(itertools.count())
         self.gentered.append(0)
         return len(self.groups) - 1
 
@@ -99,10 +99,15 @@ class FlightRecorder:
         now = time.perf_counter()
         if self.hang is not None and self.hang == (self.step, bucket):
             self._never_enter(op, bucket)
-        gseq = next(self._gseq[group])
+        gseq = self.gentered[group]
         self.gentered[group] = gseq + 1
-        return self._write(op, bucket, dtype, nbytes, counter, group, gseq, -1, micro,
-                           self._handoff.pop(bucket, now) if bucket >= 0 else now, now)
+        seq = next(self._seq)
+        row = self._ring[seq & self._mask]
+        row[1:] = (op, bucket, nbytes, dtype, self.phase, self.step, self._handoff.pop(bucket, now) if bucket >= 0
+                   else now, now, 0.0, threading.get_ident(), group, gseq, -1, micro, counter)
+        row[_SEQ] = seq  # last: a row whose seq is not yet its own is being written
+        self.entered = seq + 1
+        return seq
 
     def post(self, op: str, peer: int, dtype: Any, nbytes: int, group: int, micro: int = -1) -> int:
         """A point-to-point transfer `op` ("send activations", "recv activations", ...) with rank `peer` of the
@@ -115,17 +120,11 @@ class FlightRecorder:
             posted = self.channels[key] = [0]
         gseq = posted[0]
         posted[0] += 1  # transfers are posted by one thread: the training loop's
-        return self._write(op, -1, dtype, nbytes, None, group, gseq, peer, micro, now, now)
-
-    def _write(self, op: str, bucket: int, dtype: Any, nbytes: int, counter: int | None, group: int, gseq: int,
-               peer: int, micro: int, enqueue: float, now: float) -> int:
         seq = next(self._seq)
         row = self._ring[seq & self._mask]
-        row[_OP], row[_BUCKET], row[_BYTES], row[_DTYPE], row[_COUNTER] = op, bucket, nbytes, dtype, counter
-        row[_PHASE], row[_STEP], row[_ENQUEUE], row[_START], row[_END] = self.phase, self.step, enqueue, now, 0.0
-        row[_GROUP], row[_GSEQ], row[_PEER], row[_MICRO] = group, gseq, peer, micro
-        row[_THREAD] = threading.get_ident()
-        row[_SEQ] = seq  # last: a row whose seq is not yet its own is being written
+        row[1:] = (op, -1, nbytes, dtype, self.phase, self.step, now, now, 0.0, threading.get_ident(), group, gseq, peer,
+                   micro, None)
+        row[_SEQ] = seq
         self.entered = seq + 1
         return seq
 
