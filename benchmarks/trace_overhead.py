@@ -22,10 +22,11 @@ RUN/trace.json, and how well the ranks' clocks are aligned.
    `--micro-batches`, `--batch-size`, `--seq-len`; one replica on tp x pp ranks): recorder off / on in
    alternating rounds as in 1, the records a step makes (a tensor-parallel step: one per activation sum, four
    per block and micro-batch, and the loss's; a pipeline: two per transfer) and what they cost at the unit
-   cost of 3 (`records_per_step x record_us / step`), the bound that the noise of 1 cannot show.
+   cost of 3 (`records_per_step x record_us / step`), the bound that the noise of 1 cannot show. With
+   `--calibrate` both variants run the recorder: the ratio the method reads when nothing differs.
 
     python benchmarks/trace_overhead.py [--blocks 15] [--steps 10] [--skip-sizes] [--json]
-    python benchmarks/trace_overhead.py --split --model gpt:layers=4,dim=32,heads=2 --tp 2 [--pp 1] [--blocks 15]
+    python benchmarks/trace_overhead.py --split --model gpt:layers=4,dim=32,heads=2 --tp 2 [--pp 1] [--blocks 15] [--calibrate]
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def split_worker(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0
 
     def block(variant: str) -> float:
-        recorder_on(variant != "off")
+        recorder_on(variant != "off" or args.calibrate)
         comm.barrier()
         times = [step() for _ in range(args.steps)]
         return float(comm.allreduce_array([statistics.median(times)], op="max")[0])
@@ -178,7 +179,7 @@ def split_times(args: argparse.Namespace, record_us: float) -> dict:
     cmd = ["mpirun", "-n", str(args.tp * args.pp), "--oversubscribe", "--bind-to", "none", sys.executable, __file__,
            "--split-worker", "--blocks", str(args.blocks), "--steps", str(args.steps), "--model", args.model,
            "--tp", str(args.tp), "--pp", str(args.pp), "--micro-batches", str(args.micro_batches),
-           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)] + (["--calibrate"] if args.calibrate else [])
     raw = json.loads(subprocess.run(cmd, capture_output=True, text=True, env=ENV, check=True).stdout.strip().splitlines()[-1])
     med = {v: statistics.median(t) * 1e3 for v, t in raw["blocks"].items()}
     pairs = [on / off for on, off in zip(raw["blocks"]["on"], raw["blocks"]["off"])]
@@ -293,6 +294,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="with --split: the recorder on in both variants (what the method reads when nothing differs)")
     args = ap.parse_args()
     if args.worker:
         worker(args.blocks, args.steps)
