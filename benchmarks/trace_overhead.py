@@ -18,8 +18,15 @@ RUN/trace.json, and how well the ranks' clocks are aligned.
    node every rank reads the same CLOCK_MONOTONIC, so the true offset is 0 and the measured one is the
    method's error), the error bound of the measurement (half the best ping-pong's round trip), and the change
    between start and end.
+5. With `--split`, a run split by --tp/--pp instead of the reference MLP (`--model`, `--tp`, `--pp`,
+   `--micro-batches`, `--batch-size`, `--seq-len`; one replica on tp x pp ranks): recorder off / on in
+   alternating rounds as in 1, the records a step makes (a tensor-parallel step: one per activation sum, four
+   per block and micro-batch, and the loss's; a pipeline: two per transfer) and what they cost at the unit
+   cost of 3 (`records_per_step x record_us / step`), the bound that the noise of 1 cannot show. With
+   `--calibrate` both variants run the recorder: the ratio the method reads when nothing differs.
 
     python benchmarks/trace_overhead.py [--blocks 15] [--steps 10] [--skip-sizes] [--json]
+    python benchmarks/trace_overhead.py --split --model gpt:layers=4,dim=32,heads=2 --tp 2 [--pp 1] [--blocks 15] [--calibrate]
 """
 
 from __future__ import annotations
@@ -39,6 +46,22 @@ HPCTRAIN = [sys.executable, "-m", "hpctrain"]
 VARIANTS = ("off", "on", "traced")
 
 
+STUBS = {"begin": lambda *a, **k: 0, "end": lambda *a, **k: None, "post": lambda *a, **k: 0,
+         "handoff": lambda *a, **k: None}
+
+
+def recorder_on(on: bool) -> None:
+    """The flight recorder as shipped, or (off) its calls replaced by no-op stubs on the instance: the call sites
+    stay, the least a call costs."""
+    from hpctrain.trace.flight import RECORDER
+
+    for name, stub in STUBS.items():
+        if on:
+            RECORDER.__dict__.pop(name, None)
+        else:
+            setattr(RECORDER, name, stub)
+
+
 def worker(blocks: int, steps: int) -> None:
     """One rank of the step-time comparison (under mpirun -n 2); rank 0 prints one JSON line."""
     import numpy as np
@@ -51,7 +74,6 @@ def worker(blocks: int, steps: int) -> None:
     from hpctrain.comm import world
     from hpctrain.compute.models import build_model
     from hpctrain.control.step import auto_overlap, make_sync, train_step
-    from hpctrain.trace.flight import RECORDER
     from hpctrain.trace.spans import TRACER
 
     comm, env = world(), read_env()
@@ -65,7 +87,6 @@ def worker(blocks: int, steps: int) -> None:
     sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
                           auto_overlap(env, "cpu"))
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
-    stubs = {"begin": lambda *a, **k: 0, "end": lambda *a, **k: None, "handoff": lambda *a, **k: None}
     counter = {"step": 0}
 
     def step() -> float:
@@ -78,11 +99,7 @@ def worker(blocks: int, steps: int) -> None:
         return time.perf_counter() - t0
 
     def block(variant: str) -> float:
-        for name, stub in stubs.items():
-            if variant == "off":
-                setattr(RECORDER, name, stub)
-            else:
-                RECORDER.__dict__.pop(name, None)
+        recorder_on(variant != "off")
         TRACER.start(parse_window("last:1000") if variant == "traced" else None, comm.rank)
         comm.barrier()
         times = [step() for _ in range(steps)]
@@ -101,9 +118,81 @@ def worker(blocks: int, steps: int) -> None:
         print(json.dumps({"blocks": out, "ranks": comm.size, "steps": steps, "threads": torch.get_num_threads()}))
 
 
+def split_worker(args: argparse.Namespace) -> None:
+    """One rank of the split step-time comparison (under mpirun -n tp x pp, one replica): recorder off / on in
+    alternating rounds; rank 0 prints one JSON line, with the records one step makes."""
+    import torch
+
+    from hpctrain.base.config import TrainConfig
+    from hpctrain.base.rankenv import read_env
+    from hpctrain.base.sections import CommConfig, OptimizerConfig, ParallelConfig, ZeroConfig
+    from hpctrain.comm import world
+    from hpctrain.control import hybrid
+    from hpctrain.control.step import make_sync
+    from hpctrain.parallel.layout import check_layout
+    from hpctrain.parallel.stages import model_limits
+    from hpctrain.tools.bench import workload
+    from hpctrain.trace.flight import RECORDER
+
+    comm, env = world(), read_env()
+    torch.set_num_threads(env.torch_threads())
+    build, xs, ys = workload(0, args.model, args.batch_size, 784, 10, args.seq_len, 257)  # one replica: the same rows
+    model = build()
+    cfg = TrainConfig(data=".", run_dir=".", optimizer="sgd", lr=0.01, tp=args.tp, pp=args.pp,
+                      micro_batches=args.micro_batches, batch_size=args.batch_size)
+    layout = check_layout(comm.size, args.tp, args.pp, model_limits(model, args.model))
+    par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device="cpu", precision="fp32",
+                       batch_rows=args.batch_size, row=xs[0][0])
+    stage = par.model(model)
+    sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), stage,
+                          par.data, False, alone=par.tied)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    counter = {"step": 0, "records": 0}
+
+    def step() -> float:
+        i = counter["step"] = counter["step"] + 1
+        t0, entered = time.perf_counter(), RECORDER.entered
+        par.step(stage, sync, opt, loss_fn, xs[i % 8], ys[i % 8], ys[0].size)
+        counter["records"] = RECORDER.entered - entered or counter["records"]
+        return time.perf_counter() - t0
+
+    def block(variant: str) -> float:
+        recorder_on(variant != "off" or args.calibrate)
+        comm.barrier()
+        times = [step() for _ in range(args.steps)]
+        return float(comm.allreduce_array([statistics.median(times)], op="max")[0])
+
+    for _ in range(2):
+        block("on")  # warm-up
+    out = {v: [] for v in ("off", "on")}
+    for b in range(args.blocks):
+        for v in (("off", "on") if b % 2 == 0 else ("on", "off")):
+            out[v].append(block(v))
+    sync.close()
+    records = comm.allreduce_array([counter["records"]], op="max")[0]
+    if comm.rank == 0:
+        print(json.dumps({"blocks": out, "records_per_step": int(records), "micro_batches": par.micro,
+                          "ranks": comm.size, "steps": args.steps, "threads": torch.get_num_threads()}))
+
+
+def split_times(args: argparse.Namespace, record_us: float) -> dict:
+    cmd = ["mpirun", "-n", str(args.tp * args.pp), "--oversubscribe", "--bind-to", "none", sys.executable, __file__,
+           "--split-worker", "--blocks", str(args.blocks), "--steps", str(args.steps), "--model", args.model,
+           "--tp", str(args.tp), "--pp", str(args.pp), "--micro-batches", str(args.micro_batches),
+           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)] + (["--calibrate"] if args.calibrate else [])
+    raw = json.loads(subprocess.run(cmd, capture_output=True, text=True, env=ENV, check=True).stdout.strip().splitlines()[-1])
+    med = {v: statistics.median(t) * 1e3 for v, t in raw["blocks"].items()}
+    pairs = [on / off for on, off in zip(raw["blocks"]["on"], raw["blocks"]["off"])]
+    return {"median_step_ms": med, "on_over_off": med["on"] / med["off"], "blocks": len(pairs),
+            "on_over_off_blocks": [min(pairs), statistics.median(pairs), max(pairs)], "steps_per_block": args.steps,
+            "records_per_step": raw["records_per_step"], "micro_batches": raw["micro_batches"],
+            "bound": raw["records_per_step"] * record_us * 1e-3 / med["on"]}
+
+
 def unit_costs() -> dict:
     """The recorder's own cost, in one process: one collective's record (begin + end; the median of 5 x 100,000),
-    and one traced step (begin_step, the 7 spans of a step of `train`, its 6 collectives copied at its end)."""
+    a tensor-parallel sum's (of a group, with its micro-batch), a transfer's (post + end), and one traced step
+    (begin_step, the 7 spans of a step of `train`, its 6 collectives copied at its end)."""
     import timeit
 
     import torch
@@ -115,7 +204,17 @@ def unit_costs() -> dict:
     def record() -> None:
         RECORDER.end(RECORDER.begin("allreduce", 1, torch.float32, counter=0), 4096)
 
+    group = RECORDER.group("benchmark", (0, 1))
+
+    def tp_sum() -> None:
+        RECORDER.end(RECORDER.begin("forward sum", -1, torch.float32, 4096, group=group, micro=RECORDER.micro))
+
+    def transfer() -> None:
+        RECORDER.end(RECORDER.post("send activations", 1, torch.float32, 4096, group, 3))
+
     per_record = statistics.median(timeit.repeat(record, number=100_000, repeat=5)) / 100_000
+    per_sum = statistics.median(timeit.repeat(tp_sum, number=100_000, repeat=5)) / 100_000
+    per_transfer = statistics.median(timeit.repeat(transfer, number=100_000, repeat=5)) / 100_000
     TRACER.start(parse_window("last:1000"))
     step = [0]
 
@@ -129,7 +228,8 @@ def unit_costs() -> dict:
 
     per_step = statistics.median(timeit.repeat(traced_step, number=2000, repeat=5)) / 2000 - 6 * per_record
     TRACER.start(None)
-    return {"record_us": per_record * 1e6, "traced_step_us": per_step * 1e6}
+    return {"record_us": per_record * 1e6, "tp_sum_record_us": per_sum * 1e6, "transfer_record_us": per_transfer * 1e6,
+            "traced_step_us": per_step * 1e6}
 
 
 def step_times(blocks: int, steps: int) -> dict:
@@ -186,11 +286,27 @@ def main() -> None:
     ap.add_argument("--skip-sizes", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--split", action="store_true", help="a run split by --tp/--pp instead of the reference MLP")
+    ap.add_argument("--split-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="gpt:layers=4,dim=32,heads=2")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="with --split: the recorder on in both variants (what the method reads when nothing differs)")
     args = ap.parse_args()
     if args.worker:
         worker(args.blocks, args.steps)
         return
+    if args.split_worker:
+        split_worker(args)
+        return
     result = {"load_before": os.getloadavg(), "unit": unit_costs()}
+    if args.split:
+        split_main(args, result)
+        return
     result["step"] = step_times(args.blocks, args.steps)
     if not args.skip_sizes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -212,6 +328,26 @@ def main() -> None:
         print(f"{name}: trace.json {r['trace_json_bytes'] / 1e6:.2f} MB ({r['traced_steps']} of {r['steps']} steps "
               f"kept), rank files {r['rank_file_bytes'] / 1e6:.2f} MB; clocks: offset <= {c['offset_max_us']:.1f} us, "
               f"error bound <= {c['error_max_us']:.1f} us, drift <= {c['drift_max_us']:.1f} us; {r['straggler']}")
+    print(f"load average before {result['load_before'][0]:.1f}, after {result['load_after'][0]:.1f}")
+
+
+def split_main(args: argparse.Namespace, result: dict) -> None:
+    """--split: the unit costs and the split run's step time, recorder off / on."""
+    result["split"] = split_times(args, result["unit"]["tp_sum_record_us"])
+    result["load_after"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(result))
+        return
+    u, s = result["unit"], result["split"]
+    print(f"one tensor-parallel sum's record {u['tp_sum_record_us']:.2f} us; one transfer's {u['transfer_record_us']:.2f} us "
+          f"(a collective's {u['record_us']:.2f} us)")
+    print(f"{args.model}, --tp {args.tp} --pp {args.pp}, {s['micro_batches']} micro-batch(es) of {args.batch_size} rows "
+          f"x {args.seq_len} tokens: {s['records_per_step']} records a step, {s['blocks']} rounds of "
+          f"{s['steps_per_block']} steps per variant:")
+    print("  " + ", ".join(f"{v} {ms:.2f} ms" for v, ms in s["median_step_ms"].items()))
+    lo, mid, hi = s["on_over_off_blocks"]
+    print(f"  flight recorder on / off: {s['on_over_off']:.4f} (per round {lo:.3f}-{hi:.3f}, median {mid:.4f}); "
+          f"records x unit cost / step: {s['bound'] * 100:.3f} %")
     print(f"load average before {result['load_before'][0]:.1f}, after {result['load_after'][0]:.1f}")
 
 

@@ -209,7 +209,8 @@ class GradSync:
     def gather(self, bucket: Bucket, full: Any, shard: Any = None) -> None:
         """Every rank's slice of `bucket`'s parameters into `full` (from `shard`, or in place), as the flight
         recorder sees it: ZeRO's allgathers, after the step (stages 1 and 2) or a unit's (stage 3)."""
-        seq = RECORDER.begin("allgather", bucket.index, self.dtype, nbytes=full.numel() * full.element_size())
+        seq = RECORDER.begin("allgather", bucket.index, self.dtype, nbytes=full.numel() * full.element_size(),
+                             group=self.comm.flight)
         try:
             self.colls.allgather(full, bucket.counts, shard)
         finally:
@@ -414,7 +415,8 @@ class GradSync:
         would leave the others waiting forever. The one hook of the flight recorder for every bucket's sum
         (flat, hierarchical, rank-ordered, 16-bit, compressed, ZeRO's reduce-scatter): its bytes on the wire."""
         seq = RECORDER.begin(self.strategy.COLLECTIVE, bucket.index,
-                             self.compress if self.compress != "none" else self.dtype, counter=self.wire_round)
+                             self.compress if self.compress != "none" else self.dtype, counter=self.wire_round,
+                             group=self.comm.flight)
         try:
             self.strategy.reduce(bucket)
         except BaseException as exc:  # noqa: BLE001 - raised by wait() in the caller's thread

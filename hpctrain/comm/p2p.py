@@ -10,6 +10,13 @@ pipeline stages, and in-place sums (and maxima) of activations over a tensor-par
 - `allreduce_(comm, tensor, op)`: an activation summed (or its maximum taken) over a communicator, in place;
   16-bit activations are summed in float32.
 
+The flight recorder sees each of them through one hook: a transfer is recorded when it is posted (its
+operation, e.g. "send activations", the peer as a rank of the run, the micro-batch, bytes and dtype) and ended
+when `wait_all` sees it complete, and while `wait_all` waits the recorder knows which transfers this rank is
+blocked on (a hang's line-up names the one a stage waits for and the rank that never sent it); each sum is a
+collective of its communicator, named by `label` ("forward sum", "backward sum", ...) with the micro-batch the
+pipeline is computing.
+
 Device tensors on an MPI that is not CUDA-aware go through host memory (copied to the host before a send,
 received into a host buffer and copied to the device once complete).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
+from ..trace.flight import RECORDER
 from .wire import buffer_spec
 from .world import Comm, cuda_aware, load_mpi
 
@@ -39,13 +47,13 @@ def _direct(tensor: Any) -> bool:
 
 
 class Transfer:
-    """One posted send or receive: its MPI request, the tensor, and the host copy a staged one goes through."""
+    """One posted send or receive: its MPI request, the tensor, the host copy a staged one goes through, and
+    its flight record."""
 
-    __slots__ = ("request", "tensor", "host", "peer", "started")
+    __slots__ = ("request", "tensor", "host", "peer", "seq")
 
-    def __init__(self, request: Any, tensor: Any, host: Any, peer: int):
-        self.request, self.tensor, self.host, self.peer = request, tensor, host, peer
-        self.started = time.perf_counter()
+    def __init__(self, request: Any, tensor: Any, host: Any, peer: int, seq: int):
+        self.request, self.tensor, self.host, self.peer, self.seq = request, tensor, host, peer, seq
 
     def finish(self) -> None:
         """After completion: a staged receive's bytes to the device tensor."""
@@ -54,22 +62,28 @@ class Transfer:
             self.host = None
 
 
-def post_send(comm: Comm, tensor: Any, dest: int, tag: int) -> Transfer:
-    """Start sending `tensor` (contiguous; kept alive by the Transfer until it completes) to rank `dest`."""
+def post_send(comm: Comm, tensor: Any, dest: int, tag: int, what: str = "", micro: int = -1) -> Transfer:
+    """Start sending `tensor` (contiguous; kept alive by the Transfer until it completes) to rank `dest`; the
+    flight recorder calls it "send " + `what` of micro-batch `micro`."""
     MPI = load_mpi()
     host = tensor if _direct(tensor) else tensor.detach().cpu()
     spec = buffer_spec(host.detach(), MPI)
-    return Transfer(comm.mpi.Isend(spec, dest=dest, tag=tag), tensor, host, dest)
+    seq = RECORDER.post("send " + what, comm.ranks[dest], tensor.dtype, tensor.numel() * tensor.element_size(),
+                        comm.flight, micro)
+    return Transfer(comm.mpi.Isend(spec, dest=dest, tag=tag), tensor, host, dest, seq)
 
 
-def post_recv(comm: Comm, tensor: Any, source: int, tag: int) -> Transfer:
-    """Start receiving into `tensor` (contiguous, of the size the sender sends) from rank `source`."""
+def post_recv(comm: Comm, tensor: Any, source: int, tag: int, what: str = "", micro: int = -1) -> Transfer:
+    """Start receiving into `tensor` (contiguous, of the size the sender sends) from rank `source`; the flight
+    recorder calls it "recv " + `what` of micro-batch `micro`."""
     import torch
 
     MPI = load_mpi()
     host = tensor if _direct(tensor) else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     spec = buffer_spec(host, MPI)
-    return Transfer(comm.mpi.Irecv(spec, source=source, tag=tag), tensor, host, source)
+    seq = RECORDER.post("recv " + what, comm.ranks[source], tensor.dtype, tensor.numel() * tensor.element_size(),
+                        comm.flight, micro)
+    return Transfer(comm.mpi.Irecv(spec, source=source, tag=tag), tensor, host, source, seq)
 
 
 def wait_all(transfers: Iterable[Transfer]) -> None:
@@ -80,16 +94,21 @@ def wait_all(transfers: Iterable[Transfer]) -> None:
     MPI = load_mpi()
     requests = [t.request for t in transfers]
     spin_until = time.perf_counter() + SPIN_S
-    while not MPI.Request.Testall(requests):
-        if time.perf_counter() > spin_until:
-            time.sleep(SLEEP_S)
+    RECORDER.blocked = tuple(t.seq for t in transfers)
+    try:
+        while not MPI.Request.Testall(requests):
+            if time.perf_counter() > spin_until:
+                time.sleep(SLEEP_S)
+    finally:
+        RECORDER.blocked = ()
     for t in transfers:
+        RECORDER.end(t.seq)
         t.finish()
 
 
-def allreduce_(comm: Comm, tensor: Any, op: str = "sum") -> Any:
+def allreduce_(comm: Comm, tensor: Any, op: str = "sum", label: str = "allreduce") -> Any:
     """Sum (op "sum") or take the maximum (op "max") of `tensor` over `comm`, in place; returns `tensor`.
-    A 16-bit tensor is reduced in float32 and written back."""
+    A 16-bit tensor is reduced in float32 and written back. `label`: the flight recorder's name for it."""
     import torch
 
     if comm.size == 1:
@@ -98,7 +117,12 @@ def allreduce_(comm: Comm, tensor: Any, op: str = "sum") -> Any:
     mpi_op = {"sum": MPI.SUM, "max": MPI.MAX}[op]
     wide = tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
     host = wide if _direct(wide) else wide.cpu()
-    comm.mpi.Allreduce(MPI.IN_PLACE, buffer_spec(host, MPI), op=mpi_op)
+    seq = RECORDER.begin(label, -1, wide.dtype, wide.numel() * wide.element_size(), group=comm.flight,
+                         micro=RECORDER.micro)
+    try:
+        comm.mpi.Allreduce(MPI.IN_PLACE, buffer_spec(host, MPI), op=mpi_op)
+    finally:
+        RECORDER.end(seq)
     if host is not tensor:
         tensor.copy_(host)
     return tensor

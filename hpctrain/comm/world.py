@@ -52,7 +52,7 @@ def recorded(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def call(self: "Comm", *args: Any, **kwargs: Any) -> Any:
             if self.size == 1:
                 return fn(self, *args, **kwargs)
-            seq = RECORDER.begin(op)
+            seq = RECORDER.begin(op, group=self.flight)
             try:
                 return fn(self, *args, **kwargs)
             finally:
@@ -68,12 +68,20 @@ class Comm:
 
     `Comm(None)` is a world of one that never initializes MPI (tools that run outside any job); every
     collective below returns at once when the size is 1.
+
+    `name` and `ranks` are what the flight recorder knows it by: a communicator made from MPI's own is the
+    "world" of the ranks it numbers; one split from it (`split`) lists its members as ranks of that world, so
+    the records of a data-parallel or tensor-parallel group name the ranks of the run. `flight` is its id in
+    the recorder, registered once here (0, the default group, for a world of one, which records nothing).
     """
 
-    def __init__(self, mpi_comm: Any):
+    def __init__(self, mpi_comm: Any, name: str = "world", ranks: tuple[int, ...] | None = None):
         self.mpi = mpi_comm
         self.rank: int = mpi_comm.Get_rank() if mpi_comm is not None else 0
         self.size: int = mpi_comm.Get_size() if mpi_comm is not None else 1
+        self.name = name
+        self.ranks: tuple[int, ...] = tuple(range(self.size)) if ranks is None else tuple(ranks)
+        self.flight = RECORDER.group(name, self.ranks) if self.size > 1 else 0
 
     # -- small collectives -------------------------------------------------------------------------
     @recorded("barrier")
@@ -146,15 +154,30 @@ class Comm:
         exc.agreed = True
         raise exc
 
-    def split(self, color: int | None, key: int) -> "Comm | None":
+    def split(self, color: int | None, key: int, name: str = "group") -> "Comm | None":
         """The ranks of this communicator that pass the same `color`, ordered by `key` (MPI_Comm_split; a
         collective of every rank); None for a rank that passes None (it joins no group). A world of one
-        splits into itself."""
+        splits into itself. `name`: what the flight recorder and its line-up call the new communicator."""
         if self.mpi is None:
             return None if color is None else self
         MPI = load_mpi()
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        return None if sub == MPI.COMM_NULL else Comm(sub)
+        if sub == MPI.COMM_NULL:
+            return None
+        mine, parent = sub.Get_group(), self.mpi.Get_group()
+        try:
+            inside = MPI.Group.Translate_ranks(mine, list(range(sub.Get_size())), parent)
+        finally:
+            mine.Free()
+            parent.Free()
+        return Comm(sub, name, tuple(self.ranks[r] for r in inside))
+
+    def as_world(self) -> "Comm":
+        """This communicator as the world of a run (the ranks its flight records name are its own, 0..size-1):
+        itself, or, for one split from another, a new handle of the same MPI communicator."""
+        if self.name == "world" and self.ranks == tuple(range(self.size)):
+            return self
+        return Comm(self.mpi)
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (used when one rank cannot go on and the others would hang)."""
@@ -185,10 +208,16 @@ class Comm:
         while not req.Test():
             time.sleep(poll_s)
 
+_WORLD: Comm | None = None
+
+
 def world() -> Comm:
-    """COMM_WORLD, initializing MPI on first call; a single process with no launcher is a world of one."""
-    MPI = load_mpi()
-    return Comm(MPI.COMM_WORLD)
+    """COMM_WORLD, initializing MPI on first call; a single process with no launcher is a world of one. One
+    handle for the process: the flight recorder numbers the collectives of COMM_WORLD once, whoever calls them."""
+    global _WORLD
+    if _WORLD is None:
+        _WORLD = Comm(load_mpi().COMM_WORLD)
+    return _WORLD
 
 
 def self_comm() -> Comm:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from ..parallel.groups import Groups, make_groups
 from ..parallel.layout import Layout, check_layout
 from ..parallel.pipeline import Pipeline
 from ..parallel.stages import build_stage, model_limits, put, shares
+from ..trace.spans import TRACER
 from .precision import LossScaler, autocast
 from .step import evaluate, param_sha256, train_step
 
@@ -89,8 +91,6 @@ class Parallel:
         if self.pipeline is None:
             return train_step(model, sync, optimizer, loss_fn, x, y, global_n, clip_grad=clip_grad, device=device,
                               accumulate=accumulate, precision=precision, scaler=scaler, phases=phases)
-        import time
-
         sync.zero()
         scale = scaler.scale if scaler is not None else 1.0
         sync.loss_scale = scaler.scale if scaler is not None else None
@@ -102,18 +102,21 @@ class Parallel:
         t0 = time.perf_counter()
         sync.wait()
         for param in self.tied:  # the embedding's gradient on the first stage plus the head's on the last
-            allreduce_(self.groups.tie, sync.reduced(param))
+            allreduce_(self.groups.tie, sync.reduced(param), label="tied gradient sum")
         t1 = time.perf_counter()
         stepped = scaler is None or scaler.unscale(sync.grad_tensors(), self.world)
         if stepped:
             if clip_grad:
                 self._clip(sync, optimizer, clip_grad)
             optimizer.step()
+        t2 = time.perf_counter()
+        TRACER.span("wait", t0, t1)  # the data-parallel group's gradient sum (and the tied one's) still on the wire
+        TRACER.span("optimizer", t1, t2)
         if phases is not None:
             timing = self.pipeline.timing
             for name, value in (("forward", timing.forward), ("backward", timing.backward),
                                 ("pipeline_wait", timing.wait), ("wait", t1 - t0),
-                                ("optimizer", time.perf_counter() - t1), ("schedule", timing.wall)):
+                                ("optimizer", t2 - t1), ("schedule", timing.wall)):
                 phases[name] = phases.get(name, 0.0) + value
         return loss if self.reporter else 0.0
 
@@ -143,6 +146,7 @@ class Parallel:
         import torch
 
         stage, g = self.pipeline.stage, self.groups
+        started = time.perf_counter()
         stage.eval()
         loss_sum = correct = n = 0.0
         for batch in reader.epoch(0):
@@ -157,6 +161,7 @@ class Parallel:
                 if g.reporter:
                     loss_sum, correct, n = loss_sum + loss, correct + hits, n + y.numel()
         stage.train()
+        TRACER.span("validation", started, time.perf_counter())
         if watchdog is not None:
             watchdog.phase("validation reduction", step)
         loss_sum, correct, n = self.world.allreduce_array([loss_sum, correct, n])

@@ -68,6 +68,7 @@ def train(cfg: TrainConfig, *, comm: Comm | None = None, env: RankEnv | None = N
         if comm is None:  # MPI_Init waits for every rank: a rank stopped before it would hang the others there
             deadline(edge_budget(cfg.collective_timeout))  # until the watchdog takes over in _train
             comm = world()
+        comm = comm.as_world()  # the ranks its flight records name are the run's own (for one split from another too)
         with contextlib.ExitStack() as stack:  # every thread, file and handler is undone here, on any exit
             try:
                 return _train(cfg, comm, env or read_env(), stack)

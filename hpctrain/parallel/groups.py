@@ -6,6 +6,9 @@
 - `pipe`: the P stages of one replica at the same t: point-to-point between neighbour stages;
 - `tie` (P > 1): the first and the last stage at the same (d, t), which both hold the tied embedding/head:
   its gradient is summed over them.
+
+Each is named for the flight recorder (its records, and the line-up after a hang, say which group and which
+ranks of the run: `Comm.split`); `PIPELINE` is the name the timeline's straggler analysis finds a rank's stage by.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 
 from ..comm import Comm
 from .layout import Layout
+
+DATA, TENSOR, PIPELINE, TIE = "data-parallel group", "tensor-parallel group", "pipeline", "first and last stage"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +55,9 @@ class Groups:
 def make_groups(world: Comm, layout: Layout) -> Groups:
     """Split `world` (of layout.world ranks) into the groups of `layout` (a collective of every rank)."""
     d, t, p = layout.coords(world.rank)
-    data = world.split(layout.rank(0, t, p), d)
-    tensor = world.split(layout.rank(d, 0, p), t)
-    pipe = world.split(layout.rank(d, t, 0), p)
+    data = world.split(layout.rank(0, t, p), d, DATA)
+    tensor = world.split(layout.rank(d, 0, p), t, TENSOR)
+    pipe = world.split(layout.rank(d, t, 0), p, PIPELINE)
     ends = layout.pipe > 1 and p in (0, layout.pipe - 1)
-    tie = world.split(layout.rank(d, t, 0) if ends else None, p)  # a collective: every rank takes part
+    tie = world.split(layout.rank(d, t, 0) if ends else None, p, TIE)  # a collective: every rank takes part
     return Groups(world, layout, d, t, p, data, tensor, pipe, tie)

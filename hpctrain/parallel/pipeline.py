@@ -15,6 +15,9 @@ reads itself (they read the same rows), so nothing but the tensors themselves is
 receive of the next operation is posted before the current one computes. Every wait names the stage and
 rank it waits for to the watchdog (a stage that never sends is named, not a hang). The step's own
 timestamps give each stage's busy and idle time (`Timing`: what `bench train --pp` reports as the bubble).
+Each transfer is a flight record (`comm.p2p`), so after a hang the line-up names the transfer a stage waits
+for and the rank that never sent it; with `--trace`, each micro-batch's forward and backward and each wait for
+a neighbour is a span of the timeline (the bubble, visible).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 
 from ..base.errors import ConfigError
 from ..comm.p2p import Transfer, post_recv, post_send, recv_object, send_object, wait_all
+from ..trace.flight import RECORDER
+from ..trace.spans import TRACER
 from .groups import Groups
 from .stages import Stage
 
@@ -35,6 +40,8 @@ Op = tuple[str, int]  # ("F" or "B", micro-batch)
 # MPI tags of the transfers: messages between two ranks with one tag arrive in the order they were sent, and
 # every stage runs its micro-batches in the same order as its neighbours, so the tag need only say what it is
 ACTIVATION, GRADIENT, EVAL_TAG = 1, 2, 3
+_WHAT = {ACTIVATION: "activations", GRADIENT: "activation gradients", EVAL_TAG: "validation activations"}  # records
+_NAMES = {"F": "forward", "B": "backward"}
 
 
 def schedule(kind: str, stage: int, stages: int, micro: int) -> list[Op]:
@@ -116,12 +123,16 @@ class Pipeline:
              last_backward: Callable[[], None] | None = None) -> float:
         """Run one step's schedule over the micro-batches rows [bounds[i], bounds[i+1]) of the batch (x, y),
         backward from loss x `scale`; `last_backward` runs before this stage's last backward (where the
-        gradient sync starts). Returns the summed loss on the last stage (0 elsewhere)."""
+        gradient sync starts). Returns the summed loss on the last stage (0 elsewhere).
+
+        Each operation names itself to the watchdog (the stage, forward or backward, the micro-batch: its
+        tensor-parallel sums are collective waits) and to the flight recorder (the micro-batch its transfers
+        and sums belong to), and is a span of the timeline with its micro-batch; so is each wait for a
+        neighbour. The wait the step was called in (the trainer's "gradient allreduce") is restored at the end."""
         g = self.groups
         started = time.perf_counter()
         self.timing = Timing()
-        if self.watchdog is not None:  # compute, and the tensor-parallel sums inside it: collective waits
-            self.watchdog.phase(f"pipeline stage {g.p} computing (forward, backward, tensor-parallel sums)", step)
+        before = self.watchdog.current if self.watchdog is not None else None
         rows = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
         ops = [op for op in schedule(self.kind, g.p, g.layout.pipe, len(rows)) if rows[op[1]]]
         posted: dict[Op, Transfer] = {}
@@ -129,40 +140,66 @@ class Pipeline:
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         loss_sum = 0.0
         last_b = max((k for k, op in enumerate(ops) if op[0] == "B"), default=-1)
-        for k, (kind, i) in enumerate(ops):
-            for ahead in ops[k:k + 2]:
-                self._post(ahead, rows[ahead[1]], posted)
-            lo, hi = bounds[i], bounds[i + 1]
-            if kind == "F":
-                inp = self._input(x[lo:hi]) if g.first else self._received(("F", i), posted, step)
-                if not g.first:
-                    inp.requires_grad_(True)
-                t0 = time.perf_counter()
-                with self._autocast():
-                    out = self.stage(inp)
-                if g.last:
-                    out = self.stage.loss(out, torch.from_numpy(y[lo:hi]).to(self.device))
-                    loss_sum += float(out.detach())
-                self.timing.forward += time.perf_counter() - t0
-                if not g.last:
-                    sends.append(post_send(g.pipe, out.detach().contiguous(), g.p + 1, ACTIVATION))
-                saved[i] = (inp, out)
-            else:
-                inp, out = saved.pop(i)
-                grad = None if g.last else self._received(("B", i), posted, step)
-                if k == last_b and last_backward is not None:
-                    last_backward()
-                t0 = time.perf_counter()
-                if g.last:
-                    (out * scale).backward()
+        try:
+            for k, (kind, i) in enumerate(ops):
+                RECORDER.micro = i
+                if self.watchdog is not None:
+                    self.watchdog.phase(f"pipeline stage {g.p} computing the {_NAMES[kind]} of micro-batch {i}", step)
+                for ahead in ops[k:k + 2]:
+                    self._post(ahead, rows[ahead[1]], posted)
+                lo, hi = bounds[i], bounds[i + 1]
+                if kind == "F":
+                    loss_sum += self._forward(i, x[lo:hi], y[lo:hi], posted, sends, saved, step)
                 else:
-                    torch.autograd.backward(out, grad)
-                self.timing.backward += time.perf_counter() - t0
-                if not g.first:
-                    sends.append(post_send(g.pipe, inp.grad.contiguous(), g.p - 1, GRADIENT))
-        self._wait(sends, "its sends to finish", step)
+                    self._backward(i, scale, posted, sends, saved, step, last_backward if k == last_b else None)
+            RECORDER.micro = -1
+            self._wait(sends, "its sends to finish", step)
+        finally:
+            RECORDER.micro = -1
+        if self.watchdog is not None and before is not None:
+            self.watchdog.phase(before, step)
         self.timing.wall = time.perf_counter() - started
         return loss_sum
+
+    def _forward(self, i: int, x: Any, y: Any, posted: dict[Op, Transfer], sends: list[Transfer],
+                 saved: dict[int, tuple[torch.Tensor, torch.Tensor]], step: int) -> float:
+        """The forward of micro-batch `i` (rows x, y): its loss on the last stage (0 elsewhere)."""
+        g = self.groups
+        inp = self._input(x) if g.first else self._received(("F", i), posted, step)
+        if not g.first:
+            inp.requires_grad_(True)
+        t0 = time.perf_counter()
+        with self._autocast():
+            out = self.stage(inp)
+        loss = 0.0
+        if g.last:
+            out = self.stage.loss(out, torch.from_numpy(y).to(self.device))
+            loss = float(out.detach())
+        self.timing.forward += time.perf_counter() - t0
+        if not g.last:
+            sends.append(post_send(g.pipe, out.detach().contiguous(), g.p + 1, ACTIVATION, _WHAT[ACTIVATION], i))
+        saved[i] = (inp, out)
+        TRACER.span("forward", t0, time.perf_counter(), micro=i)
+        return loss
+
+    def _backward(self, i: int, scale: float, posted: dict[Op, Transfer], sends: list[Transfer],
+                  saved: dict[int, tuple[torch.Tensor, torch.Tensor]], step: int,
+                  last_backward: Callable[[], None] | None) -> None:
+        """The backward of micro-batch `i` (from loss x `scale` on the last stage); `last_backward` first."""
+        g = self.groups
+        inp, out = saved.pop(i)
+        grad = None if g.last else self._received(("B", i), posted, step)
+        if last_backward is not None:
+            last_backward()
+        t0 = time.perf_counter()
+        if g.last:
+            (out * scale).backward()
+        else:
+            torch.autograd.backward(out, grad)
+        self.timing.backward += time.perf_counter() - t0
+        if not g.first:
+            sends.append(post_send(g.pipe, inp.grad.contiguous(), g.p - 1, GRADIENT, _WHAT[GRADIENT], i))
+        TRACER.span("backward", t0, time.perf_counter(), micro=i)
 
     def forward_only(self, x: Any, *, step: int = 0) -> torch.Tensor | None:
         """One batch forward through the pipeline without gradients (validation); the last stage's output on
@@ -173,13 +210,14 @@ class Pipeline:
                 inp = self._input(x)
             else:
                 inp = torch.empty((len(x), *self.in_row), dtype=self.in_dtype, device=self.device)
-                self._wait([post_recv(g.pipe, inp, g.p - 1, EVAL_TAG)], f"stage {g.p - 1} (rank {g.stage_rank(g.p - 1)}) "
-                           "to send validation activations", step)
+                self._wait([post_recv(g.pipe, inp, g.p - 1, EVAL_TAG, _WHAT[EVAL_TAG])],
+                           f"stage {g.p - 1} (rank {g.stage_rank(g.p - 1)}) to send validation activations", step)
             with self._autocast():
                 out = self.stage(inp)
             if g.last:
                 return out
-            self._wait([post_send(g.pipe, out.contiguous(), g.p + 1, EVAL_TAG)], "its validation send", step)
+            self._wait([post_send(g.pipe, out.contiguous(), g.p + 1, EVAL_TAG, _WHAT[EVAL_TAG])], "its validation send",
+                       step)
             return None
 
     def _post(self, op: Op, rows: int, posted: dict[Op, Transfer]) -> None:
@@ -190,21 +228,22 @@ class Pipeline:
             return
         if kind == "F":
             buf = torch.empty((rows, *self.in_row), dtype=self.in_dtype, device=self.device)
-            posted[op] = post_recv(g.pipe, buf, g.p - 1, ACTIVATION)
+            posted[op] = post_recv(g.pipe, buf, g.p - 1, ACTIVATION, _WHAT[ACTIVATION], i)
         else:
             buf = torch.empty((rows, *self.out_row), dtype=self.out_dtype, device=self.device)
-            posted[op] = post_recv(g.pipe, buf, g.p + 1, GRADIENT)
+            posted[op] = post_recv(g.pipe, buf, g.p + 1, GRADIENT, _WHAT[GRADIENT], i)
 
     def _received(self, op: Op, posted: dict[Op, Transfer], step: int) -> torch.Tensor:
         g = self.groups
         peer = g.p - 1 if op[0] == "F" else g.p + 1
-        what = "activations" if op[0] == "F" else "activation gradients"
+        what = _WHAT[ACTIVATION if op[0] == "F" else GRADIENT]
         transfer = posted.pop(op)
         self._wait([transfer], f"stage {peer} (rank {g.stage_rank(peer)}) to send the {what} of micro-batch {op[1]}",
-                   step)
+                   step, op[1])
         return transfer.tensor
 
-    def _wait(self, transfers: list[Transfer], what: str, step: int) -> None:
+    def _wait(self, transfers: list[Transfer], what: str, step: int, micro: int = -1) -> None:
+        """Wait for `transfers` (named to the watchdog as waiting for `what`), a span of the timeline."""
         if not transfers:
             return
         t0 = time.perf_counter()
@@ -218,4 +257,6 @@ class Pipeline:
                 dog.idle()
             else:
                 dog.phase(before, step)
-        self.timing.wait += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.timing.wait += t1 - t0
+        TRACER.span("pipeline wait", t0, t1, micro=micro, waiting_for=what)

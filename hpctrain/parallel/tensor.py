@@ -46,7 +46,7 @@ class _ToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return allreduce_(ctx.comm, grad.contiguous().clone()), None
+        return allreduce_(ctx.comm, grad.contiguous().clone(), label="backward sum"), None
 
 
 class _FromGroup(torch.autograd.Function):
@@ -54,7 +54,7 @@ class _FromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        return allreduce_(comm, x.contiguous().clone())
+        return allreduce_(comm, x.contiguous().clone(), label="forward sum")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -74,14 +74,14 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, lo: int, comm: Comm) -> torch.Tensor:
-        rowmax = allreduce_(comm, logits.max(dim=1).values.contiguous(), "max")
+        rowmax = allreduce_(comm, logits.max(dim=1).values.contiguous(), "max", "loss max")
         shifted = logits - rowmax.unsqueeze(1)
         exp = shifted.exp()
         local = target - lo
         inside = (local >= 0) & (local < logits.shape[1])
         local = local.clamp(0, logits.shape[1] - 1)
         picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * inside
-        sums = allreduce_(comm, torch.stack([exp.sum(dim=1), picked]).contiguous())
+        sums = allreduce_(comm, torch.stack([exp.sum(dim=1), picked]).contiguous(), label="loss sums")
         loss = sums[0].log() - sums[1]
         ctx.save_for_backward(exp.div_(sums[0].unsqueeze(1)), local, inside)
         return loss
@@ -107,9 +107,9 @@ def vocab_argmax(logits: torch.Tensor, lo: int, comm: Comm) -> torch.Tensor:
     if comm.size == 1:
         return logits.argmax(dim=1)
     best, where = logits.float().max(dim=1)
-    top = allreduce_(comm, best.contiguous().clone(), "max")
+    top = allreduce_(comm, best.contiguous().clone(), "max", "argmax")
     ids = torch.where(best == top, where + lo, torch.full_like(where, 1 << 62)).double()
-    return (-allreduce_(comm, (-ids).contiguous(), "max")).long()  # the smallest id that reaches the top
+    return (-allreduce_(comm, (-ids).contiguous(), "max", "argmax")).long()  # the smallest id that reaches the top
 
 
 class ColumnLinear(nn.Module):

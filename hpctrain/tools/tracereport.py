@@ -15,11 +15,20 @@ from typing import Any
 
 from ..trace.chrome import clock_summary, merge, read_ranks
 from ..trace.lineup import line_up, read_dumps
-from ..trace.straggler import analyse, collectives, phase_times
+from ..trace.straggler import TP_SUMS, analyse, collectives, phase_times
 from .figures import by_rank, new_figure, note_empty, save_png
 
 STRAGGLER_PNG = "straggler.png"
 _SHOWN = ("data wait", "forward", "backward", "wait", "optimizer")
+
+
+def _shown(found: dict[str, Any]) -> tuple[str, ...]:
+    """The phases the table and the plot show: a pipeline's waits for its neighbours, and the time inside
+    tensor-parallel sums, too where the run has them."""
+    extra = ("pipeline wait",) if found.get("stages", 1) > 1 else ()
+    if any(p.get(TP_SUMS, 0.0) > 0 for p in found["phase_ms"]):
+        extra += (TP_SUMS,)
+    return _SHOWN + extra
 
 
 def hang_found(run_dir: Path) -> bool:
@@ -57,24 +66,25 @@ def trace_report(run_dir: Path, out_dir: Path, title: str) -> tuple[list[str], d
 
 
 def _timeline_lines(docs: list[dict[str, Any]], found: dict[str, Any], trace_json: Path) -> list[str]:
-    clock = clock_summary(docs)
+    clock, shown = clock_summary(docs), _shown(found)
     skew = found["arrival_skew_ms"]
     lines = ["## Timeline (--trace)", "", f"**{found['verdict']}.**", "",
              f"{len(docs)} ranks, window {docs[0].get('window')}: {found['steps']} steps, {found['collectives']} "
-             f"collectives every rank recorded whole; arrival skew (last minus first rank) median {skew['median']:.2f} "
+             f"collectives every rank of their communicator recorded whole; arrival skew (last minus first rank) "
+             f"median {skew['median']:.2f} "
              f"ms, 90th percentile {skew['p90']:.2f} ms, max {skew['max']:.2f} ms. Clocks against rank 0: offsets up "
              f"to {clock['offset_max_us']:.1f} us, each measured within {clock['error_max_us']:.1f} us, drift "
              f"{clock['drift_max_us']:.1f} us. Open `{trace_json}` in https://ui.perfetto.dev.", "",
              f"![Phase times and arrival skew]({STRAGGLER_PNG})", "",
-             "| rank | " + " | ".join(f"{p} ms" for p in _SHOWN) + " | made others wait ms/step | in | last to arrive |",
-             "|---:|" + "---:|" * (len(_SHOWN) + 1) + "---|---:|"]
+             "| rank | " + " | ".join(f"{p} ms" for p in shown) + " | made others wait ms/step | in | last to arrive |",
+             "|---:|" + "---:|" * (len(shown) + 1) + "---|---:|"]
     waits = found["made_others_wait_ms_per_step"]
     order = sorted(range(len(docs)), key=lambda r: -waits[r])[:10]
     for r in sorted(order):
         phases = found["phase_ms"][r]
         by_phase = found["made_others_wait_by_phase_ms_per_step"][r]
         where = ", ".join(f"{p} {ms:.2f}" for p, ms in sorted(by_phase.items(), key=lambda kv: -kv[1]) if ms >= 0.01)
-        lines.append(f"| {docs[r]['rank']} | " + " | ".join(f"{phases[p]:.2f}" for p in _SHOWN)
+        lines.append(f"| {docs[r]['rank']} | " + " | ".join(f"{phases[p]:.2f}" for p in shown)
                      + f" | {waits[r]:.2f} | {where} | {found['last_arrivals'][r]} |")
     return lines + [""]
 
@@ -83,19 +93,20 @@ def plot_straggler(docs: list[dict[str, Any]], found: dict[str, Any], path: Path
     """Per rank, each phase's ms over the traced steps (a line per rank up to 8, else the median and the range
     of all), and the arrival skew of each collective over the steps."""
     fig = new_figure(11.0, 7.0)
-    grid = fig.add_gridspec(2, len(_SHOWN))
+    shown = _shown(found)
+    grid = fig.add_gridspec(2, len(shown))
     times = [phase_times(d) for d in docs]
-    for col, phase in enumerate(_SHOWN):
+    for col, phase in enumerate(shown):
         series = {d["rank"]: (sorted(t), [t[s][phase] * 1e3 for s in sorted(t)]) for d, t in zip(docs, times)}
         by_rank(fig.add_subplot(grid[0, col]), series, phase, "ms" if col == 0 else None)
     ax = fig.add_subplot(grid[1, :])
     colls = collectives(docs)
     if not colls:
-        note_empty(ax, "no collective recorded whole by every rank")
+        note_empty(ax, "no collective recorded whole by every rank of its communicator")
     else:
-        last = [max(range(len(c["arrive"])), key=c["arrive"].__getitem__) for c in colls]
+        last = [c["ranks"][max(range(len(c["arrive"])), key=c["arrive"].__getitem__)] for c in colls]
         ax.scatter([c["step"] for c in colls], [(max(c["arrive"]) - min(c["arrive"])) * 1e3 for c in colls],
-                   c=[f"C{docs[r]['rank'] % 10}" for r in last], s=12)
+                   c=[f"C{r % 10}" for r in last], s=12)
         ax.set_xlabel("step")
         ax.set_ylabel("arrival skew, ms (color: the last rank)")
         ax.set_ylim(bottom=0)

@@ -4,11 +4,15 @@ run's files into RUN/trace.json with its straggler verdict (`merge`).
 
 One process per rank ("rank R (host)"), one thread lane per host thread that did something (the training
 loop, the communication thread, the checkpoint writer, ...). Phases are slices ("X"); each collective is a
-slice on the lane that ran it, with its sequence number, operation, bucket, bytes, dtype, step, and how long
-this rank waited in it for the last rank to arrive; each bucket's hand-off to the communication thread is
-an instant marker; and for every collective an arrow (a flow) runs from the last rank to arrive to each rank
-that waited for it (beyond `FLOW_RANKS` ranks, to the one that waited longest). Times are microseconds on
-rank 0's clock (`straggler.aligner`), from the earliest event.
+slice on the lane that ran it, with its sequence number in its communicator, operation, bucket, bytes, dtype,
+step, its communicator when that is not the world (a data-parallel, a tensor-parallel group: named in the
+slice, with its ranks), and how long this rank waited in it for the last member to arrive; each bucket's
+hand-off to the communication thread is an instant marker; and for every collective an arrow (a flow) runs
+from the last member to arrive to each member that waited for it (beyond `FLOW_RANKS` ranks, to the one that
+waited longest). A pipeline's point-to-point transfers are async slices of their rank (posted to seen
+complete), with an arrow from each send to the receive it met; its micro-batches' forward and backward and
+its waits for a neighbour ("pipeline wait") are phases, so the bubble shows as the waits. Times are
+microseconds on rank 0's clock (`straggler.aligner`), from the earliest event.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from ..base.durable import write_text
 from ..base.errors import DataError
+from .lineup import records
 from .straggler import aligner, analyse, collectives
 
 FLOW_RANKS = 16  # up to this many ranks, an arrow to every rank that waited; beyond, to the one that waited longest
@@ -68,7 +73,7 @@ def chrome_trace(docs: list[dict[str, Any]], straggler: dict[str, Any] | None = 
     lanes = _Lanes(events)
     aligns = {d["rank"]: aligner(d) for d in docs}
     starts = [aligns[d["rank"]](s[2]) for d in docs for step in d["steps"] for s in step["spans"]]
-    starts += [aligns[d["rank"]](r[7]) for d in docs for step in d["steps"] for r in step.get("collectives", [])]
+    starts += [aligns[d["rank"]](min(r[7], r[8])) for d in docs for step in d["steps"] for r in step.get("collectives", [])]
     starts += [aligns[d["rank"]](s[2]) for d in docs for s in d.get("startup", [])]
     origin = min(starts, default=0.0)
 
@@ -82,7 +87,7 @@ def chrome_trace(docs: list[dict[str, Any]], straggler: dict[str, Any] | None = 
         for step in [{"step": 0, "spans": doc.get("startup", []), "collectives": []}, *doc["steps"]]:
             for name, ident, start, end, args in step["spans"]:
                 events.append({"ph": "X", "name": name, "cat": "phase", "pid": rank, "tid": lanes.tid(doc, ident),
-                               "ts": us(doc, start), "dur": round(max(end - start, 0.0) * 1e6, 3),
+                               "ts": us(doc, start), "dur": round(max(us(doc, end) - us(doc, start), 0.0), 3),
                                "args": {"step": step["step"], **(args or {})}})
     _collective_events(docs, events, lanes, us)
     meta = {"hpctrain_trace": 1, "ranks": len(docs), "window": docs[0].get("window") if docs else None,
@@ -93,48 +98,109 @@ def chrome_trace(docs: list[dict[str, Any]], straggler: dict[str, Any] | None = 
 
 
 def _collective_events(docs: list[dict[str, Any]], events: list[dict[str, Any]], lanes: _Lanes, us: Any) -> None:
-    """Every collective as a slice on its lane, its hand-off as an instant, and arrows from the last rank to
-    arrive to the ranks that waited for it."""
+    """Every collective as a slice on its lane, its hand-off as an instant, and arrows from the last member of its
+    communicator to arrive to the members that waited for it (not for the tensor-parallel sums inside each
+    micro-batch's forward and backward: hundreds a step; their slices name the last rank and the wait); every
+    point-to-point transfer as an async slice of its rank, from posted to seen complete, with an arrow from
+    the send to the receive it met."""
     by_rank = {d["rank"]: d for d in docs}
-    matched = {c["seq"]: c for c in collectives(docs)}
-    order = [d["rank"] for d in docs]
-    flow = 0
+    matched = {(c["group"], tuple(c["ranks"]), c["seq"]): c for c in collectives(docs)}
+    recs = {d["rank"]: records(d, len(docs), [r for step in d["steps"] for r in step.get("collectives", [])])[0]
+            for d in docs}
     for doc in docs:
-        rank = doc["rank"]
-        for step in doc["steps"]:
-            for seq, op, bucket, nbytes, dtype, phase, st, enqueue, start, end, ident in step.get("collectives", []):
-                tid = lanes.tid(doc, ident)
-                name = op if bucket < 0 else f"{op} bucket {bucket}"
-                args = {"seq": seq, "op": op, "bucket": bucket, "bytes": nbytes, "dtype": dtype, "phase": phase,
-                        "step": st}
-                c = matched.get(seq)
-                if c is not None:
-                    mine, last = c["arrive"][order.index(rank)], max(c["arrive"])
-                    args.update(waited_for_last_ms=round((last - mine) * 1e3, 4),
-                                last_rank=order[c["arrive"].index(last)])
-                slice_end = end if end > 0 else start  # unfinished: a zero-length slice, marked
-                if end <= 0:
-                    args["unfinished"] = True
-                events.append({"ph": "X", "name": name, "cat": "collective", "pid": rank, "tid": tid,
-                               "ts": us(doc, start), "dur": round(max(slice_end - start, 0.0) * 1e6, 3), "args": args})
-                if enqueue < start - 1e-6:
-                    events.append({"ph": "i", "s": "t", "name": f"hand-off bucket {bucket}", "cat": "hand-off",
-                                   "pid": rank, "tid": tid, "ts": us(doc, enqueue), "args": {"seq": seq, "step": st}})
-    rows = {d["rank"]: {r[0]: r for step in d["steps"] for r in step.get("collectives", [])} for d in docs}
+        for rec in recs[doc["rank"]]:
+            if rec["peer"] >= 0:
+                _transfer_events(doc, rec, events, us)
+            else:
+                _collective_slice(doc, rec, matched.get((*rec["group"], rec["gseq"])), events, lanes, us)
+    flow = 0
+    rows = {rank: {(r["group"], r["gseq"]): r for r in rs if r["peer"] < 0} for rank, rs in recs.items()}
     for c in matched.values():
+        if c["micro"] >= 0:  # a tensor-parallel sum inside a micro-batch: hundreds a step, its slice says who was last
+            continue
+        order = c["ranks"]
         last = order[max(range(len(order)), key=c["arrive"].__getitem__)]
         waiters = [r for r in order if r != last]
         if len(order) > FLOW_RANKS:  # many ranks: one arrow, to the rank that waited longest
             waiters = [order[min(range(len(order)), key=c["arrive"].__getitem__)]]
-        src, row = by_rank[last], rows[last][c["seq"]]
+        key = ((c["group"], tuple(order)), c["seq"])
+        src, row = by_rank[last], rows[last][key]
         for waiter in waiters:
-            wdoc, wrow = by_rank[waiter], rows[waiter][c["seq"]]
+            wdoc, wrow = by_rank[waiter], rows[waiter][key]
             flow += 1
-            released = min(max(us(wdoc, wrow[8]), us(src, row[8])), us(wdoc, wrow[9]))  # inside the waiter's slice
+            released = min(max(us(wdoc, wrow["start"]), us(src, row["start"])), us(wdoc, wrow["end"]))  # inside its slice
             events.append({"ph": "s", "id": flow, "name": "waited for", "cat": "arrival", "pid": last,
-                           "tid": lanes.tid(src, row[10]), "ts": us(src, row[8])})
+                           "tid": lanes.tid(src, row["thread"]), "ts": us(src, row["start"])})
             events.append({"ph": "f", "bp": "e", "id": flow, "name": "waited for", "cat": "arrival", "pid": waiter,
-                           "tid": lanes.tid(wdoc, wrow[10]), "ts": released})
+                           "tid": lanes.tid(wdoc, wrow["thread"]), "ts": released})
+    _transfer_flows(by_rank, recs, events, lanes, us, flow)
+
+
+def _collective_slice(doc: dict[str, Any], rec: dict[str, Any], c: dict[str, Any] | None, events: list[dict[str, Any]],
+                      lanes: _Lanes, us: Any) -> None:
+    """One collective of one rank: a slice on its lane (and its bucket's hand-off, an instant)."""
+    rank, tid = doc["rank"], lanes.tid(doc, rec["thread"])
+    name = rec["op"] if rec["bucket"] < 0 else f"{rec['op']} bucket {rec['bucket']}"
+    args = {"seq": rec["gseq"], "op": rec["op"], "bucket": rec["bucket"], "bytes": rec["bytes"], "dtype": rec["dtype"],
+            "phase": rec["phase"], "step": rec["step"]}
+    group, members = rec["group"]
+    if group != "world" or members != tuple(range(len(members))):
+        name += f" ({group})"
+        args.update(group=group, ranks=list(members))
+    if rec["micro"] >= 0:  # a tensor-parallel sum: its phase is the forward or backward slice around it
+        args["micro"] = rec["micro"]
+        del args["phase"]
+    if c is not None:
+        mine, last = c["arrive"][c["ranks"].index(rank)], max(c["arrive"])
+        args.update(waited_for_last_ms=round((last - mine) * 1e3, 4), last_rank=c["ranks"][c["arrive"].index(last)])
+    start, end = rec["start"], rec["end"]
+    if end <= 0:  # unfinished: a zero-length slice, marked
+        args["unfinished"], end = True, start
+    events.append({"ph": "X", "name": name, "cat": "collective", "pid": rank, "tid": tid, "ts": us(doc, start),
+                   "dur": round(max(us(doc, end) - us(doc, start), 0.0), 3), "args": args})
+    if rec["enqueue"] < start - 1e-6:
+        events.append({"ph": "i", "s": "t", "name": f"hand-off bucket {rec['bucket']}", "cat": "hand-off", "pid": rank,
+                       "tid": tid, "ts": us(doc, rec["enqueue"]), "args": {"seq": rec["gseq"], "step": rec["step"]}})
+
+
+def _transfer_events(doc: dict[str, Any], rec: dict[str, Any], events: list[dict[str, Any]], us: Any) -> None:
+    """A point-to-point transfer: an async slice of its rank (its own track, beside the threads' lanes), from
+    posted to seen complete (a send is seen complete when its stage waits for its sends, at the end of its
+    schedule)."""
+    rank = doc["rank"]
+    verb = "to" if rec["op"].startswith("send") else "from"
+    micro = f" of micro-batch {rec['micro']}" if rec["micro"] >= 0 else ""
+    args = {"seq": rec["gseq"], "op": rec["op"], "peer": rec["peer"], "micro": rec["micro"], "bytes": rec["bytes"],
+            "dtype": rec["dtype"], "step": rec["step"], "phase": rec["phase"], "group": rec["group"][0]}
+    end = rec["end"]
+    if end <= 0:
+        args["unfinished"], end = True, rec["start"]
+    common = {"cat": "point-to-point", "name": f"{rec['op']}{micro} {verb} rank {rec['peer']}", "pid": rank,
+              "id": f"{rank}.{rec['seq']}"}
+    events.append({"ph": "b", **common, "ts": us(doc, rec["start"]), "args": args})
+    events.append({"ph": "e", **common, "ts": us(doc, max(end, rec["start"]))})
+
+
+def _transfer_flows(by_rank: dict[int, dict[str, Any]], recs: dict[int, list[dict[str, Any]]],
+                    events: list[dict[str, Any]], lanes: _Lanes, us: Any, flow: int) -> None:
+    """An arrow from each send (where the sender posted it, inside its forward or backward) to the receive it met
+    (where the receiver saw it complete, inside its wait for it): the n-th send of a channel meets the peer's
+    n-th receive of it."""
+    received = {(r["peer"], rank, r["op"].removeprefix("recv "), r["gseq"]): r
+                for rank, rs in recs.items() for r in rs if r["peer"] >= 0 and r["op"].startswith("recv")}
+    for rank, rs in recs.items():
+        for send in rs:
+            if send["peer"] < 0 or not send["op"].startswith("send"):
+                continue
+            recv = received.get((rank, send["peer"], send["op"].removeprefix("send "), send["gseq"]))
+            if recv is None or recv["end"] <= 0 or send["peer"] not in by_rank:
+                continue
+            src, dst = by_rank[rank], by_rank[send["peer"]]
+            flow += 1
+            events.append({"ph": "s", "id": flow, "name": send["op"].removeprefix("send "), "cat": "transfer",
+                           "pid": rank, "tid": lanes.tid(src, send["thread"]), "ts": us(src, send["start"])})
+            events.append({"ph": "f", "bp": "e", "id": flow, "name": send["op"].removeprefix("send "), "cat": "transfer",
+                           "pid": send["peer"], "tid": lanes.tid(dst, recv["thread"]), "ts": us(dst, recv["end"])})
 
 
 def clock_summary(docs: list[dict[str, Any]]) -> dict[str, float]:

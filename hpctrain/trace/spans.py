@@ -3,8 +3,10 @@
 `TRACER` is off until `start(window)`. The trainer marks each step's beginning (`begin_step`); steps the
 window selects are recorded, the others cost one attribute test per span. A recorded step holds its spans
 (data wait, forward, backward, wait, optimizer, validation, checkpoint stall and background write, from
-whichever thread ran them) and, when the next step begins, a copy of the flight recorder's collectives
-entered during it (the collectives are recorded once, by the comm layer's one hook: `flight`).
+whichever thread ran them; a pipeline's forward and backward of each micro-batch and its waits for a
+neighbour stage) and, when the next step begins, a copy of the flight recorder's collectives and transfers
+entered during it (recorded once, by the comm layer's one hook: `flight`; a step that enters more than half
+the ring, as a tensor-parallel one can, is copied as it goes).
 
 Bounded by design, never growing with the run (`base.window`): a range of at most MAX_STEPS steps (`A:B`),
 the last N steps of the run (`last:N`, a ring) or one step in N (`every:N`, a ring of the last EVERY_KEEP
@@ -28,7 +30,7 @@ from ..base.window import Window
 from .flight import FIELDS, RECORDER, thread_names
 
 MAX_SPANS = 4096  # most spans one step keeps (a user's loop may record its own)
-FORMAT = 1
+FORMAT = 2  # 2: records place themselves (group, gseq, peer, micro) and the file lists the groups
 
 
 class Tracer:
@@ -64,7 +66,7 @@ class Tracer:
             return
         self._close_step()
         if self.window.selects(step):
-            self.current = {"step": step, "spans": [], "first": RECORDER.entered}
+            self.current = {"step": step, "spans": [], "first": RECORDER.entered, "collectives": [], "lost": 0}
             self.steps.append(self.current)
             self.active = True
         else:
@@ -77,11 +79,14 @@ class Tracer:
         ident = threading.get_ident()
         if ident not in self.names:
             self.names[ident] = threading.current_thread().name
-        spans = self.current["spans"] if self.current is not None else self.startup
+        step = self.current
+        spans = step["spans"] if step is not None else self.startup
         if len(spans) >= MAX_SPANS:
             self.dropped += 1
             return
         spans.append([name, ident, start, end, args or None])
+        if step is not None and ident == self.main and RECORDER.entered - step["first"] > RECORDER.capacity // 2:
+            self._copy(step)  # before the ring writes over them
 
     def timed(self, name: str, **args: Any) -> "_Timed":
         """`with TRACER.timed("validation"):` records the block as a span."""
@@ -90,17 +95,28 @@ class Tracer:
     def _close_step(self) -> None:
         """The current step ends: keep a copy of the collectives entered during it."""
         step = self.current
-        if step is not None and "collectives" not in step:
-            step.update(self._collectives(step))
+        if step is not None and "first" in step:
+            self._copy(step)
+            del step["first"]
         self.current = None
 
+    def _copy(self, step: dict[str, Any]) -> None:
+        """Copy the records entered since `step["first"]` into the step (the training thread only)."""
+        copied = self._collectives(step)
+        step["collectives"] += copied["collectives"]
+        step["lost"] += copied["lost"]
+        step["first"] = RECORDER.entered
+
     def _collectives(self, step: dict[str, Any]) -> dict[str, Any]:
-        rows = RECORDER.rows(step["first"], RECORDER.entered)
+        """The records entered since `step["first"]`, and how many of them the ring no longer holds."""
+        entered = RECORDER.entered
+        rows = RECORDER.rows(step["first"], entered)
         for row in rows:
-            if row[-1] not in self.names:
+            ident = row[FIELDS.index("thread")]
+            if ident not in self.names:
                 self.names.update({int(k): v for k, v in thread_names().items()})
-                self.names.setdefault(row[-1], f"thread {row[-1]}")
-        return {"collectives": rows, "lost": RECORDER.entered - step["first"] - len(rows)}
+                self.names.setdefault(ident, f"thread {ident}")
+        return {"collectives": rows, "lost": entered - step["first"] - len(rows)}
 
     def snapshot(self, close: bool = True) -> dict[str, Any]:
         """This rank's timeline as one JSON-ready dict; `close`: end the current step first (the training
@@ -110,13 +126,15 @@ class Tracer:
         steps = []
         for s in list(self.steps):  # list(): one step of C, not disturbed by the training thread
             s = dict(s)
-            if "collectives" not in s:
-                s.update(self._collectives(s))
-            s.pop("first", None)
+            if "first" in s:  # still open (a dump from another thread): what it holds so far, and the rest
+                more = self._collectives(s)
+                s.update(collectives=s["collectives"] + more["collectives"], lost=s["lost"] + more["lost"])
+                del s["first"]
             steps.append(s)
         return {"format": FORMAT, "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "window": str(self.window), "time": time.time(), "main": self.main, "clock": self.clock,
                 "threads": {str(k): v for k, v in dict(self.names).items()}, "fields": FIELDS,
+                "groups": RECORDER.context()["groups"],
                 "startup": list(self.startup), "steps": steps, "dropped_spans": self.dropped}
 
     def write(self, path: Path, close: bool = True) -> Path:

@@ -1,5 +1,6 @@
 """Model parallelism on real MPI ranks: one tiny GPT trained in every layout (D, T, P) the issue names, against
-pure data parallelism; a checkpoint of one layout resumed in others; refusals; a stage that never sends."""
+pure data parallelism; a checkpoint of one layout resumed in others; refusals; the timeline of a split run; a
+stage that never sends, named by the watchdog and by the flight records lined up."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, hpctrain, mpi_env, mpirun, summary
+from hpctrain.trace.lineup import line_up, read_dumps
 
 pytestmark = pytest.mark.mpi
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -111,13 +113,66 @@ def test_a_layout_that_does_not_fit_is_refused_in_one_line_listing_those_that_do
     assert not (tmp_path / "r").exists()
 
 
+def test_a_split_runs_timeline_shows_micro_batches_transfers_and_groups(layouts: Path) -> None:
+    """The (2,2,2) run traced steps 3-6: per rank each micro-batch's forward and backward, the waits for a
+    neighbour stage, the transfers (async slices, arrows from send to receive), the tensor-parallel sums and
+    the data-parallel gradient sums with their groups; the bubble is no straggler."""
+    run = layouts / "2-2-2"
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    assert sorted(p.name for p in (run / "trace").iterdir()) == [f"rank-000{r}.json" for r in range(8)]
+    phase = [e for e in events if e.get("cat") == "phase"]
+    for name in ("forward", "backward"):  # 8 micro-batches (4 x pp, at most --batch-size)
+        assert {(e["pid"], e["args"]["step"], e["args"]["micro"]) for e in phase if e["name"] == name} == \
+               {(r, s, m) for r in range(8) for s in range(3, 7) for m in range(8)}, name
+    assert {e["pid"] for e in phase if e["name"] == "pipeline wait"} == set(range(8))
+    assert {"data wait", "wait", "optimizer"} <= {e["name"] for e in phase}
+    # rank = p x 4 + d x 2 + t: stage 0 is ranks 0-3, each sends to the rank 4 above it
+    sends = [e for e in events if e["ph"] == "b" and e["name"].startswith("send activations of micro-batch")]
+    assert {(e["pid"], e["args"]["peer"]) for e in sends} == {(r, r + 4) for r in range(4)}
+    assert len(sends) == 4 * 4 * 8 and all(e["args"]["dtype"] == "float32" and e["args"]["bytes"] > 0 for e in sends)
+    arrows = [e for e in events if e.get("cat") == "transfer"]
+    assert {(s["pid"], f["pid"]) for s, f in zip(arrows[::2], arrows[1::2])} == \
+           {(r, r + 4) for r in range(4)} | {(r + 4, r) for r in range(4)}
+    colls = [e for e in events if e.get("cat") == "collective"]
+    tp = {tuple(e["args"]["ranks"]) for e in colls if e["name"] == "forward sum (tensor-parallel group)"}
+    assert tp == {(0, 1), (2, 3), (4, 5), (6, 7)}
+    assert any(e["name"] == "backward sum (tensor-parallel group)" for e in colls)
+    dp = {tuple(e["args"]["ranks"]) for e in colls if e["name"].endswith("(data-parallel group)")}
+    assert dp == {(0, 2), (1, 3), (4, 6), (5, 7)}
+    straggler = summary(run)["straggler"]
+    assert straggler["verdict"].endswith("(a pipeline: ranks compared with the others of their stage; "
+                                         "the stages' waits for each other, its bubble, not counted)")
+    # a step's phases add up to the step: the micro-batches' forward/backward and the pipeline waits are in it (a
+    # split step once summed to its data wait and optimizer alone: 0.07 ms against a logged step of 18.6 ms)
+    logged = [json.loads(line)["step_ms"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged and straggler["step_ms"] > 0.5 * min(logged), (straggler["step_ms"], logged)
+
+
 def test_a_stage_that_never_sends_is_named(tmp_path: Path, digits2: Path) -> None:
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", PYTHON, "-m", "hpctrain", "train",
-           "--data", str(digits2), "--run-dir", str(tmp_path / "r"), "--model",
-           f"{SCRIPTS / 'stuck_stage.py'}:factory", "--pp", "2", "--micro-batches", "1", "--collective-timeout", "5",
-           "--checkpoint-every", "0"]
+    """(2,1,2): rank 0, stage 0 of replica 0, stops in its forward of micro-batch 1 at step 2. Rank 2, its stage 1,
+    waits for those activations; ranks 1 and 3 (replica 1) finish their schedule and wait for ranks 0 and 2 in
+    their data-parallel groups' gradient sums. The watchdog names the wait; the flight records lined up name the
+    transfer and the rank that never sent it, and each data-parallel group's sum that rank never arrived at."""
+    run = tmp_path / "r"
+    cmd = ["mpirun", "-n", "4", "--oversubscribe", "--bind-to", "none", PYTHON, "-m", "hpctrain", "train",
+           "--data", str(digits2), "--run-dir", str(run), "--model", f"{SCRIPTS / 'stuck_stage.py'}:factory", "--pp", "2",
+           "--micro-batches", "2", "--collective-timeout", "5", "--checkpoint-every", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=mpi_env())
     assert proc.returncode != 0
-    # the third forward of stage 0 (one at start-up, where the stages agree on shapes, then one a step) never ends
-    assert "rank 1: pipeline stage 1 waiting for stage 0 (rank 0) to send the activations of micro-batch 0 at " \
-           "step 2" in proc.stderr, proc.stderr
+    assert "pipeline stage 1 waiting for stage 0 (rank 0) to send the activations of micro-batch 1 at step 2" \
+        in proc.stderr or "pipeline stage 0 computing the forward of micro-batch 1 at step 2 has waited" in proc.stderr, \
+        proc.stderr
+    dumps, beats, world = read_dumps(run / "logs")
+    assert sorted(dumps) == [0, 1, 2, 3]  # each dumped at half its wait's budget
+    found = line_up(world, dumps, beats)  # what rank 0's abort message and `hpctrain report` say
+    assert found["culprits"] == [0], found["text"]
+    assert found["text"].startswith(
+        "the job waits for rank 0: stage 1 (rank 2) waits for the activations of micro-batch 1 at step 2 from stage 0 "
+        "(rank 0), which never sent them (rank 0 was in pipeline stage 0 computing the forward of micro-batch 1 at "
+        "step 2)"), found["text"]
+    for waiting, missing in ((1, 0), (3, 2)):
+        ranks = f"ranks {min(waiting, missing)}, {max(waiting, missing)}"
+        assert f"{ranks} of the data-parallel group diverge at collective #" in found["text"], found["text"]
+        assert f"rank {waiting} entered it and was still inside; rank {missing} never arrived" in found["text"]
+    if "flight records:" in proc.stderr:  # rank 0 lined them up in its abort message, unless another rank's came first
+        assert "flight records: the job waits for rank 0: stage 1 (rank 2) waits for the activations" in proc.stderr

@@ -38,7 +38,7 @@ def main() -> None:
                  (range(4, 8), "saved", dict(tp=2, max_steps=4, audit_samples=True))])
     phase(comm, [(range(0, 3), "mlp-1-1-3", dict(MLP, pp=3)), (range(3, 5), "plain-saved", dict(max_steps=4)),
                  (range(5, 7), "dropout-1-2-1", dict(tp=2, model="gpt:layers=2,dim=32,heads=2,dropout=0.1"))])
-    phase(comm, [(range(0, 8), "2-2-2", dict(tp=2, pp=2))])
+    phase(comm, [(range(0, 8), "2-2-2", dict(tp=2, pp=2, trace="3:6"))])  # and its timeline (test_parallel_mpi)
     phase(comm, [(range(0, 4), "2-2-1", dict(tp=2)), (range(4, 8), "2-1-2", dict(pp=2))])
     phase(comm, [(range(0, 4), "1-2-2", dict(tp=2, pp=2)), (range(4, 8), "1-1-4", dict(pp=4))])
     # data-parallel features inside the data-parallel group: ZeRO 2 with overlap on a pipeline (the tied
