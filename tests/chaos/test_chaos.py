@@ -3,7 +3,7 @@
 Each case is a `hpctrain launch -n W -- train ...` configuration drawn from every option of `train` with one
 event at a random moment, a combination hpctrain must refuse, or a pair that must give the same model
 (tests/chaos/chaos.py: what is expected; chaos_space.py: what is drawn). The sample is fixed (seed 36, the
-indices below: a short case of every event kind on 1 to 4 ranks, covering ZeRO stage 2, token data with a
+indices below: a short case of every event kind on 1 to 4 ranks, covering ZeRO stages 2 and 3, token data with a
 GPT, PowerSGD, fp16 compute, staging, a pipeline, a refused combination and a pair), so a failure here reruns alone with
 `python benchmarks/soak.py --seed 36 --case K --keep-runs`; `make soak` draws hundreds more.
 """
@@ -20,13 +20,14 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 SEED = 36
 # index: world size, event, what else it exercises (full config: `python benchmarks/soak.py --seed 36 --case K`)
-#  57 W1 SIGTERM launcher, digits, --stage-to DIR --keep-staged, bf16 compute, fp16 wire, a checkpoint a step
-#  46 W1 SIGUSR2 launcher, --zero 1, fp16 wire, --init-weights     79 W3 SIGTERM rank 1, token data, GPT,
-#  43 W2 SIGUSR2 rank 0, --zero 2 reduce-scatter-block, fp16          PowerSGD, --hierarchical, audit
-#  34 W2 kill -9 rank 0, --hierarchical, fp16 compute, adam         6 W2 SIGSTOP rank 1, powersgd:2, timeout 10 s
-#  78 W4 no event, pair: --overlap on/off, --zero 2, --pp 2         30 W1 refused: --keep 1 (token data)
-#     (a pipeline of 2 stages, 3 micro-batches)
-CASES = (57, 46, 79, 43, 34, 6, 78, 30)
+# (drawn again when #29 added --zero 3 to the space: the draws of seed 36 changed)
+#  57 W1 SIGTERM launcher, digits, --zero 3           90 W2 SIGUSR2 launcher, --zero 2 reduce-scatter,
+#  79 W3 SIGTERM rank 1, token data, GPT, --zero 3       --deterministic, --stage-to DIR
+#     reduce-scatter-block, fp16 wire, adam           43 W2 SIGUSR2 rank 0, --zero 2 reduce-scatter-block, fp16
+#  34 W2 kill -9 rank 0, --hierarchical, fp16 compute   6 W2 SIGSTOP rank 1, powersgd:2, timeout 10 s, --trace
+#  78 W4 no event, pair: --overlap on/off, --zero 2, --pp 2 (a pipeline of 2 stages, 3 micro-batches)
+#  30 W1 refused: --keep 1 (token data)
+CASES = (57, 90, 79, 43, 34, 6, 78, 30)
 DEADLINE_S = 90  # a healthy run takes 3-10 s here; past this it is a hang
 
 
@@ -51,6 +52,7 @@ def test_the_sample_covers_the_newer_options(harness: Harness) -> None:
     assert any(c.refusal for c in cases) and any(c.pair for c in cases)
     assert {c.world for c in cases} == {1, 2, 3, 4}
     assert any(o["pp"] == 2 and o["zero"] == 2 for o in options)  # a pipeline, ZeRO inside its data-parallel group
+    assert any(o["zero"] == 3 and c.world > 1 and not c.refusal for c, o in zip(cases, options))
 
 
 @pytest.mark.parametrize("index", CASES, ids=[f"{i}-{event_of(SEED, i)}" for i in CASES])

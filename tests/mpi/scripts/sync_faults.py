@@ -24,16 +24,16 @@ x = torch.randn(8, 64, generator=torch.Generator().manual_seed(ctx.rank))
 if mode == "error":
     sync = GradSync(model.parameters(), ctx.comm, bucket_mb=0.02, overlap=True)
     assert len(sync.buckets) >= 4, len(sync.buckets)
-    original = sync._reduce_host
+    original = sync.strategy._sum  # the sum of one bucket's gradients over the ranks (whole-gradient strategy)
     failed = []
 
-    def flaky(flat, bucket, MPI):
-        original(flat, bucket, MPI)
+    def flaky(flat, bucket):
+        original(flat, bucket)
         if ctx.rank == 0 and not failed:
             failed.append(bucket.index)
             raise RuntimeError("injected failure after the collective")
 
-    sync._reduce_host = flaky
+    sync.strategy._sum = flaky
     sync.zero()
     model(x).sum().backward()
     try:
