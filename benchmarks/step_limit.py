@@ -15,7 +15,7 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
 - torch DDP (gloo), the same loop as users write it;
 - Horovod's own benchmark loop (its `pytorch_synthetic_benchmark.py` loop: zero_grad, forward, cross
   entropy, backward, step through `hvd.DistributedOptimizer`) when `--horovod-python` names a Python with
-  Horovod (0.28.1 built from its PyPI sdist against the same Open MPI, see docs/horovod.md).
+  Horovod (0.28.1 built from its PyPI sdist against the same Open MPI: `bash benchmarks/build_horovod.sh`).
 It prints each one's median step time and its ratio to the limit (or hpctrain's to it) with the spread
 over the rounds.
 
