@@ -92,7 +92,7 @@ class Reader:
         box = box or ((0,) * len(entry["shape"]), tuple(entry["shape"]))
         if out is None:
             out = torch.empty(box[1], dtype=dtype)
-        covered, maps = 0, {}  # the part files' maps, for this call only (see _piece)
+        covered, maps = 0, {}  # the part files' maps, unmapped when this call returns (see _piece)
         for part, start, size, offset in entry["pieces"]:
             common = intersect(box, (tuple(start), tuple(size)))
             if common is None:
@@ -102,7 +102,6 @@ class Reader:
             dst = tuple(slice(c - b, c - b + n) for c, b, n in zip(common[0], box[0], common[1]))
             self.bytes_read += _copy_out(src[local], out[dst])
             covered += math.prod(common[1])
-        maps.clear()
         if covered != math.prod(box[1]):
             raise CheckpointError(f"checkpoint {str(self.directory)!r} holds {covered} of the {math.prod(box[1])} "
                                   f"elements of {name!r} asked for (box {box}): a rank's part is missing")
@@ -145,7 +144,7 @@ class Reader:
         """The piece's bytes as an array shaped (*size, itemsize) over a memory map of its part file. The maps
         live in `maps`, one call of `read` long: the pages a map has touched count in the process's resident
         memory while it is open, so a reader that kept them would hold every byte it read twice (a resume of
-        the 70 M MLP at ZeRO 3 on 2 ranks: 400 MiB per rank above the steps' peak)."""
+        the 70 M MLP at ZeRO 3 on 2 ranks peaked at 1.34 GiB per rank, above the 1.14 GiB of its steps)."""
         raw = maps.get(part)
         if raw is None:
             raw = maps[part] = np.memmap(self.directory / part_name(part), dtype=np.uint8, mode="r")
