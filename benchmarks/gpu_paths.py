@@ -9,13 +9,14 @@ subset that way, so the driver cannot rot between the rare occasions a GPU is at
 
 What runs where:
 - gpu_paths_worker.py under `mpirun -n 2`, one process per rank for all of its paths (so `import torch` and
-  CUDA start-up are paid once): allreduce modes (tests/mpi/scripts/comm_check.py, reused), ZeRO 1/2 against
+  CUDA start-up are paid once): allreduce modes (tests/mpi/scripts/comm_check.py, reused), ZeRO 1/2/3 against
   stage 0, PowerSGD and top-k, the fp16 loss scaler, fused optimizers, the MFU peak, and resume of each kind
   through the trainer. A path that takes the job down (a failed trainer run ends it with MPI_Abort) or gives no
   verdict within --path-timeout-s (a rank stuck in a collective) is a FAIL, and the worker is started again
   for the paths left.
-- Here, as a user runs them: `hpctrain shard synthetic:...` and `hpctrain train` on 2 ranks (train-cli), and
-  `hpctrain bench train --json` (bench-train; its JSON is printed and written to --out).
+- Here, as a user runs them: `hpctrain shard synthetic:...` and `hpctrain train` on 2 ranks (train-cli),
+  `hpctrain bench train --json` (bench-train; its JSON is printed and written to --out), and the same at ZeRO
+  stage 3 with the prefetch (bench-zero3: the gathers' time and the part of it the step waited for).
 
 This module imports nothing beyond the standard library (no torch): it only launches and tallies.
 """
@@ -38,7 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "gpu_paths_worker.py"
-HERE_PATHS = ("train-cli", "bench-train")  # the paths this process runs itself
+HERE_PATHS = ("train-cli", "bench-train", "bench-zero3")  # the paths this process runs itself
 VERDICT = re.compile(r"^(PASS|FAIL|SKIP) ([^\s:]+)")  # group 2: the item (path/variant)
 STAGING_NOTES = ("staging gradients through pinned host buffers", "staging through the host")  # GradSync.notes
 NO_SWITCH = ("hpctrain has no switch that forces staging on a CUDA-aware MPI (the proposed HPCTRAIN_CUDA_AWARE=0: "
@@ -257,6 +258,37 @@ class Driver:
         staged = bool(result["staging"]) if self.args.device == "cuda" else None
         self._variant_verdicts("bench-train", staged, f"step {hp['step_ms']:.2f} ms, {hp['samples_per_s']:.0f} "
                                                       f"samples/s, exposed comm {hp['comm_ms']:.2f} ms, {result['device']}")
+
+
+    def bench_zero3(self) -> None:
+        """`hpctrain bench train --zero 3 --overlap --json`: the reference step with its parameters sharded, beside
+        stage 0, and the time its parameter gathers took against the part of it forward and backward waited for
+        (what the prefetch on the communication thread did not hide)."""
+        item = f"bench-zero3/{self.args.device}"
+        try:
+            proc = self._run(_mpirun(self.args, "-m", "hpctrain", "bench", "train", "--device", self.args.device,
+                                     "--zero", "3", "--overlap", "--rounds", "3", "--steps", "10", "--json"),
+                             self.left())
+        except subprocess.TimeoutExpired:
+            self.say(f"FAIL {item}: the time budget of {self.args.budget_s:.0f} s is spent")
+            return
+        if proc.returncode != 0:
+            self.say(f"FAIL {item}: hpctrain bench train --zero 3 exited {proc.returncode}: {_last_line(proc.stderr)}")
+            return
+        text = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{"))
+        result = json.loads(text)
+        print(f"JSON bench-zero3 {text}", flush=True)
+        (self.args.out / "bench_zero3.json").write_text(text + "\n")
+        phases = result["phases_ms"]
+        if not str(result["device"]).startswith(self.args.device) or result["zero"] != 3 or "gathers" not in phases:
+            self.say(f"FAIL {item}: device {result['device']}, zero {result['zero']}, phases {sorted(phases)}")
+            return
+        gathers, waited = phases["gathers"], phases["gather_wait"]
+        hidden = 1.0 - waited / gathers if gathers > 0 else 0.0
+        staged = bool(result["staging"]) if self.args.device == "cuda" else None
+        self._variant_verdicts("bench-zero3", staged, f"step {result['hpctrain']['step_ms']:.2f} ms, "
+                               f"{result['step_over_stage0']:.2f}x stage 0; gathers {gathers:.2f} ms per step, "
+                               f"{waited:.2f} ms of it waited for ({hidden:.0%} hidden by the prefetch)")
 
 
 def _pump(stream: Any, lines: queue.Queue) -> None:

@@ -60,6 +60,8 @@ RESUMES: dict[str, dict[str, Any]] = {
     "powersgd": {"grad_compression": "powersgd:2"},
     "topk": {"grad_compression": "topk:0.1"},
     "fp16": {"precision": "fp16"},
+    "zero3": {"zero": 3, "zero_reduce": "auto", "optimizer": "adam", "lr": 0.01},  # parameters sharded: gathered
+    "zero3-fp16": {"zero": 3, "precision": "fp16", "optimizer": "adam", "lr": 0.01},  # ... and the loss scaler
 }
 
 
@@ -133,8 +135,11 @@ def run_steps(ctx: Ctx, model: Any, sync: Any, opt: Any, count: int, *, fixed: b
     return losses
 
 
-def flat(model: Any) -> Any:
-    return torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])
+def whole(model: Any, sync: Any) -> Any:
+    """The model's state as one flat float64 CPU tensor, read through the sync: at ZeRO stage 3 a released
+    parameter holds no bytes (it reads NaN), and the sync gathers each unit while its keys are read."""
+    state = param_sha256(model, sync, keep=True)[1]
+    return torch.cat([t.reshape(-1).double() for t in state.values()])
 
 
 def roundtrip(obj: Any) -> Any:
@@ -173,8 +178,8 @@ def zero_path(stage: int, how: str) -> Callable[[Ctx], str]:
             sync, opt = sync_for(cfg, model, ctx.comm)
             ctx.check_staging(sync.staging, sync.notes)
             run_steps(ctx, model, sync, opt, 4)
+            params[zero] = whole(model, sync)  # at stage 3 a collective: each unit gathered while it is read
             sync.close()
-            params[zero] = flat(model)
             reducer = getattr(sync, "reduce", reducer)
         if not ranks_agree(ctx, params[stage].numpy().tobytes()):
             raise AssertionError(f"the ranks' parameters differ after ZeRO {stage}'s allgather")
@@ -321,7 +326,7 @@ def resume_path(kind: str) -> Callable[[Ctx], str]:
         log = (here / "resumed" / "logs" / f"rank-{ctx.comm.rank:04d}.log").read_text()
         ctx.check_staging(any(note in log for note in STAGING_NOTES), [])
         extra = ""
-        if kind == "fp16":
+        if kind.endswith("fp16"):
             scalers = [ckpt.load_files(ckpt.latest(here / run))["train"]["scaler"] for run in ("straight", "resumed")]
             if scalers[0] != scalers[1]:
                 raise AssertionError(f"loss scaler at step 8: {scalers[0]} straight, {scalers[1]} resumed")
@@ -335,7 +340,7 @@ def catalogue() -> dict[str, tuple[Callable[[Ctx], str], bool]]:
     paths: dict[str, tuple[Callable[[Ctx], str], bool]] = {}
     for mode in comm_check.MODES:
         paths[f"allreduce-{mode}"] = (allreduce_path(mode), True)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for how in ZERO_REDUCERS[1:]:
             paths[f"zero{stage}-{how}"] = (zero_path(stage, how), True)
     paths["powersgd"] = (compress_path("powersgd:2"), True)

@@ -13,7 +13,9 @@ flat parameter memory (`bucket.param_flat`, of which every parameter is a view) 
   in forward order is prefetched on the communication thread (with overlap; without, gathers run inline);
 - after its forward (a forward hook) the memory is released (its storage resized to nothing: autograd's
   saved views of it stay valid and see the bytes again once it is gathered again), except for the root and
-  the last unit of the forward, which backward needs first;
+  the last unit of the forward, which backward needs first. A released unit's parameters keep their shapes
+  but hold no bytes: each is a NaN expanded to its shape (a read is NaN, a write is refused by torch), never
+  a view of the empty memory, whose read would be out of bounds;
 - before its backward (a hook on the unit's outputs' gradients) the unit is gathered again and the previous
   unit prefetched; once backward has accumulated every gradient of the unit, they are packed into that same
   gathered memory (nothing reads the parameters again this step), reduce-scattered into this rank's slice
@@ -107,11 +109,16 @@ class Unit:
     """One bucket's modules and the state of its gathered parameters: released, pending (a gather submitted)
     or gathered."""
 
-    __slots__ = ("bucket", "module", "root", "state", "event", "error", "accumulated", "lock")
+    __slots__ = ("bucket", "module", "root", "state", "event", "error", "accumulated", "lock", "views", "absent")
 
     def __init__(self, bucket: Bucket, module: Any, root: bool):
+        import torch
+
         self.bucket, self.module, self.root = bucket, module, root
         self.state = "gathered"
+        self.views = [p.data for p in bucket.params]  # each parameter's view of `param_flat`: its data when gathered
+        nan = torch.full((1,), float("nan"), dtype=bucket.param_flat.dtype, device=bucket.param_flat.device)
+        self.absent = [nan.expand(p.shape) for p in bucket.params]  # ... and when released: no bytes, reads NaN
         self.event = threading.Event()
         self.error: BaseException | None = None
         self.accumulated: set[int] = set()  # gradients accumulated in this backward without a reduction
@@ -206,6 +213,8 @@ class ShardedParams(Strategy):
         if unit.state == "pending":
             self.engine.await_done(unit.event)
             unit.state = "gathered"
+            for p, view in zip(unit.bucket.params, unit.views):
+                p.data = view
             self.wait_seconds += time.perf_counter() - start
             if unit.error is not None:
                 error, unit.error = unit.error, None
@@ -255,11 +264,13 @@ class ShardedParams(Strategy):
             # new memory for the parameters (autograd's saved views keep the old, with the same values, alive)
             flat = bucket.param_flat.new_empty(bucket.numel)
             offset = 0
-            for p in bucket.params:
-                p.data = flat[offset:offset + p.numel()].view_as(p)
+            for at, p in enumerate(bucket.params):
+                unit.views[at] = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
             bucket.param_flat = flat
             flat.untyped_storage().resize_(0)
+        for p, absent in zip(bucket.params, unit.absent):
+            p.data = absent
         unit.state = "released"
         unit.accumulated.clear()
 

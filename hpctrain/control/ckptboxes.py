@@ -157,12 +157,12 @@ class Reader:
 
 def _copy_out(src: Any, dst: Any) -> int:
     """Copy `src` (uint8, shaped (*dst.shape, itemsize), over a part file's map) into the tensor `dst`, with no
-    copy in between when `dst`'s rows are contiguous; returns the bytes copied."""
+    copy in between when `dst` is in host memory with contiguous rows; returns the bytes copied."""
     import torch
 
-    if dst.dim() and dst.stride(-1) == 1 and not dst.requires_grad:
+    if dst.device.type == "cpu" and dst.dim() and dst.stride(-1) == 1 and not dst.requires_grad:
         np.copyto(dst.view(torch.uint8).numpy(), src.reshape(src.shape[:-2] + (-1,)))
-    else:  # a scalar, or strided rows: through a copy of its own (the map is read-only)
+    else:  # a scalar, strided rows or a GPU's memory: through a host copy of its own (the map is read-only)
         dst.copy_(torch.from_numpy(np.array(src, copy=True)).view(dst.dtype).reshape(dst.shape))
     return src.nbytes
 

@@ -103,6 +103,22 @@ def test_a_read_leaves_no_part_file_mapped(tmp_path: Path) -> None:
     assert torch.equal(reader.read("w", ((3, 5), (7, 9))), tensors["w"][3:10, 5:14]) and not mapped()
 
 
+def test_a_read_goes_into_a_tensor_outside_host_memory(tmp_path: Path) -> None:
+    """A resume at ZeRO 3 on a GPU reads each slice straight into the rank's CUDA tensor: the direct copy into a
+    tensor's bytes (through .numpy()) is for host memory only, and a GPU's tensor takes a host copy instead
+    (found by benchmarks/gpu_check.sh, resume-zero3: "can't convert cuda:0 device type tensor to numpy"). No GPU
+    here: the meta device stands in for it, being no more convertible to numpy than CUDA memory is; with a GPU
+    the CUDA tensor itself is read into and compared."""
+    tensors = {"w": torch.randn(64, 256), "v": torch.randn(1000)}
+    reader = _write_whole(tmp_path, tensors)
+    out = torch.empty(500, device="meta")
+    assert reader.read_flat("v", 100, 600, out=out) is out  # raised TypeError before
+    assert reader.read("w", ((3, 5), (7, 9)), out=torch.empty(7, 9, device="meta")).shape == (7, 9)
+    if torch.cuda.is_available():
+        gpu = torch.empty(500, device="cuda")
+        assert torch.equal(reader.read_flat("v", 100, 600, out=gpu).cpu(), tensors["v"][100:600])
+
+
 @pytest.mark.skipif(sys.byteorder != "little", reason="the header records the byte order")
 def test_part_file_bytes_are_pinned(tmp_path: Path) -> None:
     """The part-file layout is a file format: checkpoints written by earlier versions must still load, so a part
