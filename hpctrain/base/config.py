@@ -267,7 +267,7 @@ class TrainConfig:
     or topk[:FRACTION] (the largest entries, default 0.01); the last two with error feedback."""
     overlap: bool | None = None
     """Start each bucket's allreduce during backward on a communication thread; None (auto): only when the
-    rank has a spare CPU for that thread or computes on a GPU (on one core per rank it measured slower)."""
+    rank computes on a GPU (on CPUs the thread competes with torch's threads: slower at 1 and 8 threads a rank)."""
     accumulate: int = 1
     """Micro-batches of batch_size per optimizer step; gradients are synced only on the last."""
     hierarchical: bool = False

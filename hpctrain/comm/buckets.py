@@ -62,7 +62,7 @@ class Bucket:
     (`flat`: stages 0 and 1) and, with ZeRO, of their parameters and this rank's slice [lo, hi)."""
 
     __slots__ = ("index", "flat", "params", "ready", "host", "wire", "done", "views", "own", "param_flat",
-                 "counts", "lo", "hi", "shard", "owned", "unit")
+                 "counts", "lo", "hi", "shard", "owned", "unit", "host_shard")
 
     def __init__(self, index: int, flat: Any, params: list[Any]):
         self.index = index
@@ -82,6 +82,7 @@ class Bucket:
         self.shard: Any = None
         self.owned: Any = None
         self.unit: Any = None  # stage 3: the modules whose forward uses these parameters (zero3.Unit)
+        self.host_shard: Any = None  # ZeRO, staged: pinned host memory of this rank's slice (beside `host`)
 
     @property
     def numel(self) -> int:

@@ -57,6 +57,20 @@ def make_segments(buckets: list[Bucket], world: int, rank: int) -> list[Segment]
     return segments
 
 
+def staging(bucket: Bucket, dtype: Any) -> tuple[Any, Any]:
+    """Pinned host memory of a staged bucket (device memory on an MPI that is not CUDA-aware), allocated once and
+    reused every step: the whole bucket (`bucket.host`, as stage 0 stages) and this rank's slice. Fresh pageable
+    memory per collective cost far more than the copies: 4.4x stage 0's step at stage 3 on an H200 (a 50 M
+    GPT, 2 ranks), its host pages faulted in anew by every gather and every reduce-scatter."""
+    import torch
+
+    if bucket.host is None or bucket.host.dtype != dtype:
+        bucket.host = torch.empty(bucket.numel, dtype=dtype, pin_memory=True)
+    if bucket.host_shard is None or bucket.host_shard.dtype != dtype:
+        bucket.host_shard = torch.empty(bucket.hi - bucket.lo, dtype=dtype, pin_memory=True)
+    return bucket.host, bucket.host_shard
+
+
 def reduce_into_shard(engine: Any, send: Any, bucket: Bucket) -> None:
     """Sum `send` (a bucket's whole gradient) over the ranks into this rank's slice `bucket.shard`, scaled and
     on the wire format, by the engine's reducer (stages 1 to 3)."""
@@ -71,7 +85,10 @@ def reduce_into_shard(engine: Any, send: Any, bucket: Bucket) -> None:
     e.count_wire(send.numel(), send.element_size())  # the payload
     staged = send.is_cuda and e.staging
     if staged:
-        send, out = send.cpu(), torch.empty(out.shape, dtype=out.dtype)
+        host, out = staging(bucket, send.dtype)
+        send = host[:send.numel()].copy_(send.reshape(-1)).view(send.shape)
+        out = out.view(bucket.shard.shape) if out.dtype == bucket.shard.dtype else torch.empty(
+            bucket.shard.shape, dtype=bucket.shard.dtype)
     scaled_sum(send, out, e.compress, e.prescale, e.postscale, e.comm.size,
                lambda s, o, op: e.colls.reduce_scatter(s, o, bucket.counts, op), load_mpi())
     if staged:
@@ -182,7 +199,7 @@ class ShardedState(Strategy):
             return
         for bucket in e.buckets:
             flat = bucket.param_flat
-            host = flat.cpu() if flat.is_cuda and e.staging else flat
+            host = staging(bucket, flat.dtype)[0].copy_(flat) if flat.is_cuda and e.staging else flat
             e.gather(bucket, host)
             if host is not flat:
                 flat.copy_(host)

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 from ..base.errors import CommError
 from .buckets import Bucket, Strategy, flatten_params, pack, sharded_bucket
-from .zero import allreduce_into_shard, reduce_into_shard, unpacked
+from .zero import allreduce_into_shard, reduce_into_shard, staging, unpacked
 
 CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
 
@@ -243,8 +243,9 @@ class ShardedParams(Strategy):
             storage.resize_(bucket.numel * bucket.param_flat.element_size())
             full, owned = bucket.param_flat, bucket.owned
             staged = full.is_cuda and self.engine.staging
-            if staged:
-                full, owned = full.new_empty(full.shape, device="cpu"), owned.cpu()
+            if staged:  # through pinned host memory reused every step (zero.staging)
+                full, shard = staging(bucket, full.dtype)
+                owned = shard.copy_(owned)
             self.engine.gather(bucket, full, owned)
             if staged:
                 bucket.param_flat.copy_(full)
