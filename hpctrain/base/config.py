@@ -22,7 +22,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "step")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
-ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce")
+ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce", "ring")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 def parse_grad_compression(spec: str) -> tuple[str, float]:
     """(kind, parameter) of a --grad-compression value: none, fp16, bf16, powersgd[:RANK], topk[:FRACTION]."""
@@ -284,7 +284,8 @@ class TrainConfig:
     adamw all work; checkpoints resume on any world size and stage (hpctrain plan: the bytes per rank)."""
     zero_reduce: str = "auto"
     """How --zero 1-3 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
-    allreduce (each rank keeps its slice), or auto (time each at start-up, keep the fastest)."""
+    allreduce (each rank keeps its slice), ring (W-1 Sendrecv exchanges of one slice each, summed by torch),
+    or auto (time each at start-up, keep the fastest)."""
     tp: int = 1
     """Tensor-parallel ranks per model replica (the built-in gpt only): attention heads, MLP units and the
     vocabulary split over them. The world is D x tp x pp ranks; D data-parallel replicas."""

@@ -4,9 +4,10 @@ gradients and parameters make is here.
 - `allreduce`: the in-place sum of a bucket over all ranks: flat, hierarchical (node, then node leaders, then
   node) or in a fixed rank order (`--deterministic`);
 - `reduce_scatter`: the sum of a bucket into this rank's slice, by MPI Reduce_scatter_block (slices of equal
-  size), Reduce_scatter, or an Allreduce of which each rank keeps its slice, or in rank order;
+  size), Reduce_scatter, an Allreduce of which each rank keeps its slice, a ring of Sendrecv exchanges summed
+  by torch, or in rank order;
 - `allgather`: every rank's slice of a bucket into the whole bucket on every rank (ZeRO's parameters);
-- `fastest_reducer`: times the three reducers once on the largest bucket and keeps the fastest.
+- `fastest_reducer`: times the four reducers once on the largest bucket and keeps the fastest.
 
 MPI libraries differ on the reducers: Open MPI 4.1 on one node sums 23 MB with Allreduce in 2.7 ms, with
 Reduce_scatter in 6 ms and with Reduce_scatter_block in 13 ms, while on a network a reduce-scatter sends half
@@ -22,6 +23,8 @@ from typing import Any
 from ..base.config import ZERO_REDUCERS as REDUCERS
 from .wire import buffer_spec
 from .world import Comm, load_mpi
+
+RING_TAG = 0x5253  # the ring reducer's messages (it runs alone on its communicator, in every rank's same order)
 
 
 def node_groups(comm: Comm, node_key: int | None) -> tuple[Comm, Comm | None]:
@@ -56,6 +59,7 @@ class Collectives:
         self.comm = comm
         self.deterministic = deterministic and comm.size > 1
         self.reducer = "reduce-scatter"
+        self._ring_buffer: Any = None  # the ring reducer's receive buffer, kept from call to call
         self.local: Comm | None = None
         self.leaders: Comm | None = None
         if hierarchical and comm.size > 1:
@@ -90,10 +94,42 @@ class Collectives:
             self.comm.mpi.Allreduce(MPI.IN_PLACE, buffer_spec(send, MPI), op=op)
             lo = sum(counts[:self.comm.rank])
             out.copy_(send[lo:lo + counts[self.comm.rank]])
+        elif how == "ring":
+            self._ring_reduce_scatter(send, out, counts)
         elif how == "reduce-scatter-block" and len(set(counts)) == 1:
             self.comm.mpi.Reduce_scatter_block(buffer_spec(send, MPI), buffer_spec(out, MPI), op=op)
         else:
             self.comm.mpi.Reduce_scatter(buffer_spec(send, MPI), buffer_spec(out, MPI), recvcounts=counts, op=op)
+
+    def _ring_reduce_scatter(self, send: Any, out: Any, counts: list[int]) -> None:
+        """The sum of `send` over the ranks, this rank's slice of it into `out`, around the ring of ranks: W - 1
+        exchanges (MPI_Sendrecv) of one slice each, every received slice added by torch into `send`, which this
+        overwrites (the last straight into `out`). Sums only (what ZeRO reduces; a 16-bit wire adds in its own
+        dtype as its MPI op does). On 2 ranks of the 2-core machine, a 16.8 MB bucket took 4.0-5.8 ms this way
+        against 6.0-7.9 ms in Open MPI 4.1's Reduce_scatter."""
+        import torch
+
+        MPI = load_mpi()
+        size, rank = self.comm.size, self.comm.rank
+        starts = [sum(counts[:i]) for i in range(size + 1)]
+        flat = send.view(-1)
+        if size == 1:
+            out.view(-1).copy_(flat[:counts[0]])
+            return
+        buf = self._ring_buffer
+        if buf is None or buf.numel() < max(counts) or buf.dtype != flat.dtype or buf.device != flat.device:
+            buf = self._ring_buffer = torch.empty(max(counts), dtype=flat.dtype, device=flat.device)
+        right, left = (rank + 1) % size, (rank - 1) % size
+        for step in range(size - 1):
+            give, take = (rank - 1 - step) % size, (rank - 2 - step) % size  # take == rank at the last step
+            got = buf[:counts[take]]
+            self.comm.mpi.Sendrecv(buffer_spec(flat[starts[give]:starts[give + 1]], MPI), dest=right,
+                                   sendtag=RING_TAG, recvbuf=buffer_spec(got, MPI), source=left, recvtag=RING_TAG)
+            mine = flat[starts[take]:starts[take + 1]]
+            if step == size - 2:
+                torch.add(mine, got, out=out.view(-1))
+            else:
+                mine.add_(got)
 
     def allgather(self, full: Any, counts: list[int], shard: Any = None) -> None:
         """Every rank's slice into `full` on every rank: in place (this rank's slice already sits at its place

@@ -20,3 +20,11 @@ def test_gradient_sync_and_broadcast(n: int) -> None:
 def test_every_rank_takes_part_in_the_start_up_probe_whatever_its_device() -> None:
     proc = mpirun(2, [str(Path(__file__).parent / "scripts" / "probe_check.py")], python_module=False, timeout=120)
     assert proc.stdout.count("PROBE OK") == 2, proc.stdout + proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_every_zero_reducer_leaves_each_rank_its_slice_of_the_sum(n: int) -> None:
+    """The ring reducer beside MPI's three: equal and unequal slices, fp32 and 16-bit, and the probe times all."""
+    proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "reducers_check.py")], python_module=False, timeout=120)
+    assert f"REDUCERS OK {n}" in proc.stdout and " ring " in proc.stdout, proc.stdout + proc.stderr

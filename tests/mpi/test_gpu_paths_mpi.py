@@ -28,8 +28,9 @@ def test_zero2_topk_and_the_fp16_scaler_pass_on_the_cpu(tmp_path: Path) -> None:
     proc = drive(tmp_path, "--paths", "zero2,topk,fp16-scaler")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert verdicts(proc.stdout) == {f"{name}/cpu": "PASS" for name in (
-        "zero2-reduce-scatter-block", "zero2-reduce-scatter", "zero2-allreduce", "topk", "fp16-scaler")}, proc.stdout
-    assert proc.stdout.splitlines()[-1] == "5 passed, 0 failed, 0 skipped"
+        "zero2-reduce-scatter-block", "zero2-reduce-scatter", "zero2-allreduce", "zero2-ring", "topk",
+        "fp16-scaler")}, proc.stdout
+    assert proc.stdout.splitlines()[-1] == "6 passed, 0 failed, 0 skipped"
 
 
 @pytest.mark.mpi
