@@ -114,7 +114,7 @@ def test_a_non_elementwise_optimizer_or_a_closure_is_refused() -> None:
     (["--zero", "4"], "--zero 4 must be 0"),
     (["--zero", "1", "--hierarchical"], "does not combine with --hierarchical"),
     (["--zero", "3", "--grad-compression", "powersgd"], "does not combine with --zero 3"),
-    (["--zero", "2", "--zero-reduce", "ring"], "--zero-reduce"),
+    (["--zero", "2", "--zero-reduce", "tree"], "--zero-reduce"),
     (["--zero", "3", "--tp", "2"], "--zero 3 does not combine with --tp 2"),
 ])
 def test_bad_zero_settings_fail_in_one_line_before_anything_is_written(tmp_path, digits2, args, message) -> None:
