@@ -1,6 +1,6 @@
 """Under mpirun -n N: every ZeRO reducer (hpctrain.base.config.ZERO_REDUCERS but auto) leaves in `out` this rank's
-slice of the sum over the ranks, for equal and unequal slices, fp32 and 16-bit, twice in a row (the ring keeps
-its receive buffer between calls); and the start-up probe times every one of them."""
+slice of the sum over the ranks, for equal and unequal slices, fp32 and 16-bit, twice in a row (the ring receives
+into `out` where a slice fits, else into memory of its own); and the start-up probe times every one of them."""
 
 import torch
 
