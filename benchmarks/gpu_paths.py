@@ -235,53 +235,49 @@ class Driver:
         self._variant_verdicts("train-cli", staged, f"6 steps on {summary['world_size']} ranks, {device}, "
                                                     f"param_sha256 {summary['param_sha256'][:12]}", " ".join(notes[:1]))
 
-    def bench_train(self) -> None:
-        """`hpctrain bench train --json`: the reference step (MLP 784-2048-2048-10, batch 64 per rank)."""
-        item = f"bench-train/{self.args.device}"
+    def _bench(self, path: str, *extra: str) -> dict[str, Any] | None:
+        """`hpctrain bench train --json` with `extra` on 2 ranks: its result (the JSON printed and written to
+        --out as PATH.json), or None after a FAIL verdict for `path`."""
+        item = f"{path}/{self.args.device}"
         try:
             proc = self._run(_mpirun(self.args, "-m", "hpctrain", "bench", "train", "--device", self.args.device,
-                                     "--baseline", "none", "--rounds", "3", "--steps", "10", "--json"), self.left())
+                                     *extra, "--rounds", "3", "--steps", "10", "--json"), self.left())
         except subprocess.TimeoutExpired:
             self.say(f"FAIL {item}: the time budget of {self.args.budget_s:.0f} s is spent")
-            return
+            return None
         if proc.returncode != 0:
-            self.say(f"FAIL {item}: hpctrain bench train exited {proc.returncode}: {_last_line(proc.stderr)}")
-            return
+            self.say(f"FAIL {item}: hpctrain bench train {' '.join(extra)} exited {proc.returncode}: "
+                     f"{_last_line(proc.stderr)}")
+            return None
         text = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{"))
-        result = json.loads(text)
-        print(f"JSON bench-train {text}", flush=True)
-        (self.args.out / "bench_train.json").write_text(text + "\n")
+        print(f"JSON {path} {text}", flush=True)
+        (self.args.out / f"{path.replace('-', '_')}.json").write_text(text + "\n")
+        return json.loads(text)
+
+    def bench_train(self) -> None:
+        """`hpctrain bench train --json`: the reference step (MLP 784-2048-2048-10, batch 64 per rank)."""
+        result = self._bench("bench-train", "--baseline", "none")
+        if result is None:
+            return
         hp = result["hpctrain"]
         if not str(result["device"]).startswith(self.args.device) or not hp["step_ms"] > 0:
-            self.say(f"FAIL {item}: device {result['device']}, step {hp['step_ms']} ms")
+            self.say(f"FAIL bench-train/{self.args.device}: device {result['device']}, step {hp['step_ms']} ms")
             return
         staged = bool(result["staging"]) if self.args.device == "cuda" else None
         self._variant_verdicts("bench-train", staged, f"step {hp['step_ms']:.2f} ms, {hp['samples_per_s']:.0f} "
                                                       f"samples/s, exposed comm {hp['comm_ms']:.2f} ms, {result['device']}")
 
-
     def bench_zero3(self) -> None:
         """`hpctrain bench train --zero 3 --overlap --json`: the reference step with its parameters sharded, beside
         stage 0, and the time its parameter gathers took against the part of it forward and backward waited for
         (what the prefetch on the communication thread did not hide)."""
-        item = f"bench-zero3/{self.args.device}"
-        try:
-            proc = self._run(_mpirun(self.args, "-m", "hpctrain", "bench", "train", "--device", self.args.device,
-                                     "--zero", "3", "--overlap", "--rounds", "3", "--steps", "10", "--json"),
-                             self.left())
-        except subprocess.TimeoutExpired:
-            self.say(f"FAIL {item}: the time budget of {self.args.budget_s:.0f} s is spent")
+        result = self._bench("bench-zero3", "--zero", "3", "--overlap")
+        if result is None:
             return
-        if proc.returncode != 0:
-            self.say(f"FAIL {item}: hpctrain bench train --zero 3 exited {proc.returncode}: {_last_line(proc.stderr)}")
-            return
-        text = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{"))
-        result = json.loads(text)
-        print(f"JSON bench-zero3 {text}", flush=True)
-        (self.args.out / "bench_zero3.json").write_text(text + "\n")
         phases = result["phases_ms"]
         if not str(result["device"]).startswith(self.args.device) or result["zero"] != 3 or "gathers" not in phases:
-            self.say(f"FAIL {item}: device {result['device']}, zero {result['zero']}, phases {sorted(phases)}")
+            self.say(f"FAIL bench-zero3/{self.args.device}: device {result['device']}, zero {result['zero']}, "
+                     f"phases {sorted(phases)}")
             return
         gathers, waited = phases["gathers"], phases["gather_wait"]
         hidden = 1.0 - waited / gathers if gathers > 0 else 0.0

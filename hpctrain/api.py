@@ -151,7 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wrapped = optimizer
         self.loader = loader
         if overlap is None:
-            overlap = auto_overlap(ctx.env, ctx.device.type if hasattr(ctx.device, "type") else "cpu")
+            overlap = auto_overlap(ctx.device.type if hasattr(ctx.device, "type") else "cpu")
         if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
             raise ConfigError(f"zero={zero!r} must be 0 (no sharding), 1 (optimizer state), 2 (also gradients) or 3 "
                               "(also parameters)")

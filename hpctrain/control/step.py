@@ -18,7 +18,6 @@ import numpy as np
 from ..comm import Comm, GradSync, ShardedOptimizer
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
-from ..base.rankenv import RankEnv
 from ..trace.spans import TRACER
 from .precision import LossScaler, autocast
 from .watchdog import Watchdog
@@ -46,16 +45,15 @@ def param_sha256(model: Any, sync: Any = None, keep: bool = False) -> tuple[str,
     return digest.hexdigest(), kept
 
 
-def auto_overlap(env: RankEnv, device_type: str) -> bool:
+def auto_overlap(device_type: str) -> bool:
     """Overlap communication with backward only where it pays: where a GPU computes.
 
     On CPUs the communication thread competes with torch's own threads for the rank's cores (and MPI polls
     while it waits), and every measurement made it slower. The reference MLP, 2 ranks: on 2 cores (one
     thread a rank); on a 16-core machine (8 threads a rank, benchmarks/gpu_session.sh, 2026-12-04) 22.8 ms a
     step with overlap against 15.6 ms without, 18.7 ms with overlap and a core left to the thread (7 torch
-    threads); ZeRO 2 29.3 ms against 20.5, ZeRO 3 60.7 against 27.9. `env` is kept for a rule that needs it.
+    threads); ZeRO 2 29.3 ms against 20.5, ZeRO 3 60.7 against 27.9.
     """
-    del env
     return device_type == "cuda"
 
 

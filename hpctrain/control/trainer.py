@@ -267,7 +267,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
                         + (cfg.epochs - start.epoch - 1) * reader.steps_per_epoch)
     if cfg.max_steps:
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
-    overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(env, device.type)
+    overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(device.type)
     watchdog.phase("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""), start.step)
     kept = resume.kept_reducer(cfg.section(ZeroConfig), start.state, comm.size)
     sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model,

@@ -317,7 +317,7 @@ def _device_and_overlap(env: RankEnv, device: str, overlap: bool | None) -> tupl
     if overlap is None:
         from ..control.step import auto_overlap
 
-        overlap = auto_overlap(env, torch.device(device).type)
+        overlap = auto_overlap(torch.device(device).type)
     return device, overlap
 
 

@@ -93,7 +93,7 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
     stage = par.model(model)
     del model
     sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), stage,
-                          par.data, overlap if overlap is not None else auto_overlap(env, "cpu"), alone=par.tied)
+                          par.data, overlap if overlap is not None else auto_overlap("cpu"), alone=par.tied)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     targets = ys[0].size * layout.data
     phases: dict[str, float] = {}
