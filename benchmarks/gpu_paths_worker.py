@@ -123,14 +123,16 @@ def batch(ctx: Ctx, step: int, n: int = 16) -> tuple[Any, Any]:
     return x.numpy(), x[:, :10].argmax(1).numpy()
 
 
-def run_steps(ctx: Ctx, model: Any, sync: Any, opt: Any, count: int, *, fixed: bool = False) -> list[float]:
-    """`count` steps of `hpctrain train`'s own step; the mean loss over all ranks of each."""
+def run_steps(ctx: Ctx, model: Any, sync: Any, opt: Any, count: int, *, fixed: bool = False,
+              accumulate: int = 1) -> list[float]:
+    """`count` steps of `hpctrain train`'s own step (of `accumulate` micro-batches); the mean loss over all ranks
+    of each."""
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     losses = []
     for step in range(count):
         x, y = batch(ctx, 0 if fixed else step)
         n = len(y) * ctx.comm.size
-        loss = train_step(model, sync, opt, loss_fn, x, y, n, device=ctx.device)
+        loss = train_step(model, sync, opt, loss_fn, x, y, n, device=ctx.device, accumulate=accumulate)
         losses.append(float(ctx.comm.allreduce_array([loss])[0]) / n)
     return losses
 
@@ -169,7 +171,9 @@ def sync_for(cfg: TrainConfig, model: Any, comm: Comm) -> tuple[Any, Any]:
                      overlap=True)
 
 
-def zero_path(stage: int, how: str) -> Callable[[Ctx], str]:
+def zero_path(stage: int, how: str, accumulate: int = 1) -> Callable[[Ctx], str]:
+    """ZeRO `stage` summing by `how` against stage 0; with `accumulate`, in micro-batches (at stage 3 the
+    micro-batches after the first gather their units from the parameters already on the host, staged)."""
     def check(ctx: Ctx) -> str:
         params, reducer = {}, ""
         for zero in (0, stage):
@@ -177,7 +181,7 @@ def zero_path(stage: int, how: str) -> Callable[[Ctx], str]:
             cfg = ctx.cfg(optimizer="adam", lr=0.01, zero=zero, zero_reduce=how, bucket_mb=BUCKET_MB)
             sync, opt = sync_for(cfg, model, ctx.comm)
             ctx.check_staging(sync.staging, sync.notes)
-            run_steps(ctx, model, sync, opt, 4)
+            run_steps(ctx, model, sync, opt, 4, accumulate=accumulate)
             params[zero] = whole(model, sync)  # at stage 3 a collective: each unit gathered while it is read
             sync.close()
             reducer = getattr(sync, "reduce", reducer)
@@ -186,7 +190,11 @@ def zero_path(stage: int, how: str) -> Callable[[Ctx], str]:
         diff = float((params[0] - params[stage]).abs().max())
         if not diff <= 1e-5:
             raise AssertionError(f"max |ZeRO {stage} - stage 0| = {diff:.3g} after 4 Adam steps (limit 1e-5)")
-        return f"4 Adam steps by {reducer} within {diff:.1e} of stage 0, buckets of 480/47/1504, ranks identical"
+        start = torch.cat([t.detach().reshape(-1).double().cpu() for t in small_model(ctx).state_dict().values()])
+        if not float((params[0].cpu() - start).abs().min()) > 0:
+            raise AssertionError("a parameter did not move in 4 Adam steps: the steps trained nothing")
+        steps = f"4 Adam steps of {accumulate} micro-batches" if accumulate > 1 else "4 Adam steps"
+        return f"{steps} by {reducer} within {diff:.1e} of stage 0, buckets of 480/47/1504, ranks identical"
     return check
 
 
@@ -343,6 +351,7 @@ def catalogue() -> dict[str, tuple[Callable[[Ctx], str], bool]]:
     for stage in (1, 2, 3):
         for how in ZERO_REDUCERS[1:]:
             paths[f"zero{stage}-{how}"] = (zero_path(stage, how), True)
+    paths["zero3-accumulate"] = (zero_path(3, "auto", accumulate=2), True)
     paths["powersgd"] = (compress_path("powersgd:2"), True)
     paths["topk"] = (compress_path("topk:0.1"), True)
     paths["fp16-scaler"] = (fp16_scaler, True)

@@ -149,6 +149,9 @@ class Strategy:
     def settle(self) -> None:
         """Every bucket of the step is reduced."""
 
+    def params_written(self) -> None:
+        """The parameters were written outside a step (loaded from a checkpoint)."""
+
     def close(self) -> None:
         """Remove what `start` hooked."""
 

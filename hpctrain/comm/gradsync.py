@@ -184,6 +184,10 @@ class GradSync:
         """Once the optimizer has stepped the owned slices: stages 1 and 2 allgather the parameters."""
         self.strategy.after_step()
 
+    def params_written(self) -> None:
+        """This rank's parameters (its slices, sharded) were written outside a step: loaded from a checkpoint."""
+        self.strategy.params_written()
+
     def gather_params(self) -> None:
         """The allgather of the stepped parameters (stages 1 and 2): `after_step`, under its former name."""
         self.after_step()

@@ -131,6 +131,7 @@ def _load_model(loaded: Loaded, model: Any, sync: Any) -> None:
             raise CheckpointError(f"checkpoint {str(loaded.path)!r} holds no parameter {key!r} of shape "
                                   f"{tuple(seg.param.shape)}: resume with the model the run was written with")
         reader.read_flat(ref[REF], seg.start, seg.stop, out=seg.tensor.detach())
+    sync.params_written()
     rest = {k: reader.resolve(v) for k, v in tree.items() if k not in sharded}
     missing, unexpected = model.load_state_dict(rest, strict=False)
     if unexpected or set(missing) - sharded:
