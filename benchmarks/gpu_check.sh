@@ -6,7 +6,8 @@
 #
 # Paths (benchmarks/gpu_paths.py --list): the allreduce in every mode of tests/mpi/scripts/comm_check.py
 # (blocking, overlap, fp16 and bf16 wire, hierarchical, deterministic, accumulate); ZeRO 1, 2 and 3 with each
-# --zero-reduce collective and the parameter allgather, against stage 0 within 1e-5; PowerSGD and top-k (ranks
+# --zero-reduce collective and the parameter allgather, and ZeRO 3 in micro-batches (zero3-accumulate: its
+# later micro-batches gather from the host copy, staged), against stage 0 within 1e-5; PowerSGD and top-k (ranks
 # bit-identical, the loss falls, the compressor state reloads from a checkpoint's CPU tensors); the fp16 loss
 # scaler (an inf on one rank skips the step on every rank, also under ZeRO 1/2; the scale in checkpoints); the
 # fused SGD/Adam/AdamW of make_optimizer; the MFU peak (control/lm.py flops_and_peak: > 10 TFLOP/s in bf16);
@@ -15,7 +16,8 @@
 # `hpctrain shard` + `hpctrain train` on 2 ranks (train-cli); `hpctrain bench train --json` (bench-train, the
 # reference MLP step; its JSON is printed and written to $RESULTS/bench_train.json); `bench train --zero 3
 # --overlap` (bench-zero3: the gathers and the part of them the step waited for). On the H200 lent on 2026-12-04
-# the whole check took 124 s; that machine had Debian's Open MPI 4.1.6 (not CUDA-aware) on its PATH already.
+# the whole check took 124 s (the zero3 and resume-zero3 paths with bench-zero3 alone, on the second lease: 53 s);
+# that machine had Debian's Open MPI 4.1.6 (not CUDA-aware) on its PATH already.
 #
 # Variants. Every path that communicates runs `staged` (device gradients through pinned host buffers, what
 # hpctrain does on an MPI that is not CUDA-aware) and `cuda-aware` (device memory straight to MPI), which is a

@@ -54,7 +54,7 @@ threads)  # the second: whether the communication thread needs a core of its own
   THREADS=7 bench cpu-zero3-overlap-7t "${CPU[@]}" --zero 3 --overlap
   bench gpu-gpt-zero3-overlap "${GPT[@]}" --zero 3 --overlap
   bench gpu-gpt-zero3-inline "${GPT[@]}" --zero 3 --no-overlap ;;
-staging)  # the third: ZeRO's staged collectives through pinned host memory reused every step
+staging)  # the third and fourth: ZeRO's staged collectives (pinned host memory reused every step; one host gather)
   bench gpu-gpt-zero3-inline "${GPT[@]}" --zero 3 --no-overlap
   bench gpu-gpt-zero3-overlap "${GPT[@]}" --zero 3 --overlap
   bench gpu-gpt-zero2 "${GPT[@]}" --zero 2 ;;
