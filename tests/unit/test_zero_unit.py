@@ -168,3 +168,27 @@ def test_stage_3_on_one_rank_steps_like_stage_0_and_hands_out_the_whole_model() 
         torch.testing.assert_close(whole[key].detach(), value)
     assert sync.param_bytes() == sum(p.numel() * 4 for p in plain.parameters())
     sync.close()
+
+
+def test_stage_3_takes_its_host_copy_of_the_parameters_as_stale_once_they_change() -> None:
+    """Staged (a GPU, an MPI that is not CUDA-aware), a unit's gathered parameters stay in its pinned host buffer,
+    and its next gather copies them back without a collective; benchmarks/gpu_check.sh runs that path on a GPU
+    (zero3-*, zero3-accumulate, resume-zero3 staged). With no GPU here, only the bookkeeping: a reduction through
+    that buffer and a step each make the copy stale (a restore too: tests/mpi/scripts/zero_api_check.py)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    sync = ZeroSync(model.parameters(), self_comm(), stage=3, module=model)
+    sharded = ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), sync)
+    units = sync.strategy.units
+    assert len(units) == 2
+    for unit in units:
+        unit.on_host = True
+    sharded.zero_grad()
+    model(torch.randn(4, 5)).square().sum().backward()
+    sync.wait()
+    assert not any(unit.on_host for unit in units)  # each unit's gradients were summed through its host buffer
+    for unit in units:
+        unit.on_host = True
+    sharded.step()
+    assert not any(unit.on_host for unit in units)  # the step changed the parameters
+    sync.close()
