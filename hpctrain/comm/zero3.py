@@ -21,8 +21,11 @@ flat parameter memory (`bucket.param_flat`, of which every parameter is a view) 
   gathered memory (nothing reads the parameters again this step), reduce-scattered into this rank's slice
   as at stage 2, and the memory is released.
 So a rank holds 1/W of the parameters, gradients and optimizer state, plus the units in use (two, or three
-while one is prefetched) and the root unit during forward and backward. The forward order is recorded in the
-first forward; every rank runs the same modules in the same order, so every rank issues the same gathers.
+while one is prefetched) and the root unit during forward and backward. Staged (GPU memory, an MPI that is not
+CUDA-aware) the gathers go through each bucket's pinned host memory, which keeps the gathered parameters until
+they change: the gather before a unit's backward is then a copy back to the device, not a collective.
+The forward order is recorded in the first forward; every rank runs the same modules in the same order, so
+every rank issues the same gathers.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ class Unit:
         self.error: BaseException | None = None
         self.accumulated: set[int] = set()  # gradients accumulated in this backward without a reduction
         self.lock = threading.Lock()
-        self.on_host = False  # staged: `bucket.host` holds the parameters as they are now (gathered, not stepped since)
+        self.on_host = False  # staged: `bucket.host` holds the parameters as they are (gathered, not stepped since)
 
 
 class ShardedParams(Strategy):
@@ -359,7 +362,7 @@ class ShardedParams(Strategy):
         finally:
             self.settle()
 
-    # -- after the optimizer step: nothing (the next forward gathers) ----------------------------------
+    # -- after the optimizer step: the next forward gathers (staged, the step is marked) -----------------
     def after_step(self) -> None:
         """Each unit is gathered from the stepped slices when its forward comes; staged, the step is marked on
         its stream, for the copies of the slices to the host to wait for it alone."""
