@@ -367,7 +367,7 @@ class ShardedParams(Strategy):
         """Each unit is gathered from the stepped slices when its forward comes; staged, the step is marked on
         its stream, for the copies of the slices to the host to wait for it alone."""
         self.params_written()
-        if self.engine.staging and self.engine.device.type == "cuda" and self.engine.comm.size > 1:
+        if self.engine.staging and self.engine.comm.size > 1:  # staging: device memory on a CUDA rank
             import torch
 
             self._stepped = torch.cuda.Event()
