@@ -123,6 +123,11 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
+        if self._wakeup is not None:  # the thread sleeps in select() on the pipe: wake it (0 is no signal)
+            try:
+                os.write(self._wakeup[1], b"\0")
+            except OSError:  # full: it is awake already
+                pass
         join_logged(self._thread, 5 * self.interval + 5, "heartbeat")
         self._thread = None
         if self._wakeup is not None:

@@ -174,3 +174,18 @@ def test_watchdog_ends_a_long_budgeted_wait_once_a_rank_goes_silent(tmp_path: Pa
         assert aborted == [1] and "rank 1 (silent for" in (dog.fired or ""), dog.fired
     finally:
         dog.close()
+
+
+def test_closing_the_watchdog_wakes_its_thread_instead_of_waiting_out_its_interval() -> None:
+    """On the main thread the watchdog sleeps in select() on the signal wakeup pipe; a close that only set its
+    stop event waited for the rest of the interval (every rank's exit took up to a second longer)."""
+    assert threading.current_thread() is threading.main_thread()
+    previous = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(previous)
+    dog = Watchdog(None, 0, 2, timeout=60.0, abort=lambda code: None, interval=30.0).start()
+    assert dog._wakeup is not None  # the select() path, not the event's wait
+    time.sleep(0.2)  # the thread is in its sleep
+    started = time.monotonic()
+    dog.close()
+    assert time.monotonic() - started < 5.0  # not the 30 s interval
+    assert _hpctrain_threads() == [] and signal.set_wakeup_fd(previous) == previous  # the previous fd restored
