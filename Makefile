@@ -34,8 +34,11 @@ demo: venv
 	$(HPCTRAIN) launch -n 2 -- train --data demo/data --run-dir demo/run --epochs 20
 	@echo "summary: demo/run/summary.json"
 
+# two pytest workers (pytest-xdist), each file on one worker: the MPI tests wait on start-up, signals and
+# deadlines about half the time, so two keep two cores busy; TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q -ra --durations=30 tests
+	$(PY) -m pytest -q -ra --durations=30 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 # the documentation site (MkDocs), built strictly: a broken link, a missing page or a bad docstring fails
 docs: venv

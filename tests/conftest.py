@@ -52,3 +52,19 @@ def digits2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("digits") / "data"
     hpctrain(["shard", "digits", str(out), "--shards", "2"])
     return out
+
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile` (`make test` runs two workers) keeps each file's tests on one worker, so its module
+    fixtures are built once; here the Slurm files count as one file: one worker owns the local cluster."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndSlurm(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/slurm" if path.startswith("tests/slurm/") else path
+
+    return FilesAndSlurm(config, log)
