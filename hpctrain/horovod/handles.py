@@ -3,6 +3,15 @@
 A handle is an int, as in Horovod. Unnamed operations are named after their handle (`allreduce.noname.7`),
 named ones after their name (`allreduce.grad.fc1.weight`): ranks match operations by these names, so they
 must consume handles alike, as Horovod's ranks do.
+
+A name submitted again before the operation under it is synchronized raises `ValueError` at once, as
+Horovod's does for a name "currently being processed". Horovod frees the name when the operation completes,
+so whether a quick second submission raises depends on how fast the others were: under load the first can
+complete in between, the second is then accepted, and it waits forever for a partner that already met the
+first (Horovod's own duplicate-name tests hung so against hpctrain.horovod). Here the name stays taken until
+the submitting rank synchronizes: its own handle, or any later one, which also frees every name whose
+operation has completed by then (a handle given up on, say after an exception, does not hold its name
+forever). A rank's own sequence of calls decides, never the timing of the others.
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ _OP_NAMES = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "produ
 
 _COUNTER = itertools.count(1)
 _HANDLES: dict[int, "Handle"] = {}
+# names taken until synchronized: (id(group), name) -> (group, entry, handle); the group itself is kept, so that
+# a name taken in a process set since shut down (a new group at the same id) does not count
+_TAKEN: dict[tuple[int, str], tuple[Any, Entry, int]] = {}
 _LOCK = threading.Lock()
 
 
@@ -66,6 +78,13 @@ def request_for(kind: str, name: str, tensor: Any, **fields: Any) -> Request:
 def submit(process_set: ProcessSet, entries: list[Entry], post: Callable[[list[Any]], Any], handle: int) -> int:
     """Hand `entries` to the process set's negotiation thread; `handle` then stands for them."""
     group = process_set.require()
+    with _LOCK:
+        for entry in entries:
+            taken = _TAKEN.get((id(group), entry.request.name))
+            if taken is not None and taken[0] is group:
+                raise ValueError(f"a {entry.request.kind} named '{entry.request.name}' was submitted on this rank "
+                                 f"(handle {taken[2]}) and not synchronized yet: give concurrent operations "
+                                 "distinct names")
     submitted = []
     try:
         for entry in entries:
@@ -77,6 +96,9 @@ def submit(process_set: ProcessSet, entries: list[Entry], post: Callable[[list[A
         raise
     with _LOCK:
         _HANDLES[handle] = Handle(entries, post)
+        for entry in entries:
+            if entry.request.kind not in ("barrier", "join"):  # named by the library, never twice at once
+                _TAKEN[(id(group), entry.request.name)] = (group, entry, handle)
     return handle
 
 
@@ -99,10 +121,20 @@ def synchronize(handle: int) -> Any:
     for entry in found.entries:
         while not entry.done.wait(1.0):  # bounded waits: Ctrl-C and the stall inspector stay live
             pass
+    _free_names(found.entries)
     errors = [entry.error for entry in found.entries if entry.error is not None]
     if errors:
         raise errors[0]
     return found.post([entry.result for entry in found.entries])
+
+
+def _free_names(synchronized: list[Entry]) -> None:
+    """The names of `synchronized`, and of every operation completed by now, may be submitted again."""
+    ours = {id(entry) for entry in synchronized}
+    with _LOCK:
+        for key, (_, entry, _) in list(_TAKEN.items()):
+            if id(entry) in ours or entry.done.is_set():
+                del _TAKEN[key]
 
 
 def join_entry(device: int) -> Entry:

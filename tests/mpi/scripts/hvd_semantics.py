@@ -3,6 +3,7 @@ matching by name in different orders, errors on every rank that name the tensor 
 handles, and DistributedOptimizer giving the same model as averaging by hand. Prints SEMANTICS OK per rank."""
 
 import sys
+import time
 
 import torch
 
@@ -83,5 +84,31 @@ hvd.barrier()
 other = hvd.allreduce_async(torch.ones(2), name=f"twice{1 - rank}")
 hvd.synchronize(pending)
 hvd.synchronize(other)
+hvd.barrier()
+
+# 6. the same when the first has completed before the second submission: as under load, when the other rank was
+# quick. Still a ValueError, for the first is not synchronized yet (accepted, the second waited forever for a
+# partner, and Horovod's own duplicate-name tests hung so). A synchronize frees the name.
+if rank == 0:
+    first = hvd.broadcast_async(torch.ones(3), root_rank=0, name="again")
+hvd.barrier()
+if rank == 1:
+    first = hvd.broadcast_async(torch.ones(3), root_rank=0, name="again")
+    while not hvd.poll(first):
+        time.sleep(0.001)
+    try:
+        hvd.broadcast_async(torch.ones(3), root_rank=0, name="again")
+    except ValueError as exc:
+        assert "again" in str(exc) and "not synchronized" in str(exc), exc
+    else:
+        sys.exit("a name submitted again after its operation completed, before it was synchronized, was accepted")
+hvd.synchronize(first)
+hvd.synchronize(hvd.broadcast_async(torch.ones(3), root_rank=0, name="again"))
+# a handle given up on (never synchronized) holds its name only until the rank's next synchronize
+left = hvd.allreduce_async(torch.ones(2), name="left")
+while not hvd.poll(left):
+    time.sleep(0.001)
+hvd.barrier()
+hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="left"))
 hvd.barrier()
 print(f"SEMANTICS OK {rank}", flush=True)
