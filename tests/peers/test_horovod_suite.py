@@ -55,6 +55,9 @@ def test_horovods_pytorch_suite_passes_against_hpctrain_horovod(tmp_path: Path) 
     baseline = set((copy / "baseline.txt").read_text().split())
     assert len(baseline) == 100
     for rank in (0, 1):
+        if not (copy / f"junit_{rank}.xml").exists():  # the suite did not finish on this rank: say what it printed
+            pytest.fail(f"rank {rank} wrote no junit_{rank}.xml (mpirun exited {proc.returncode})\n"
+                        f"{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}")
         outcomes = _outcomes(copy / f"junit_{rank}.xml")
         not_passed = {name: outcomes.get(name, ("missing", 0))[0] for name in baseline
                       if outcomes.get(name, ("missing",))[0] != "passed"}
