@@ -43,9 +43,10 @@ def reuse_freed_memory() -> bool:
 
 
 def give_back_freed_memory() -> bool:
-    """Hand the memory freed so far back to the OS (glibc's `malloc_trim`), once, after a start-up that freed
-    much (ZeRO 3: the whole model built, then all but this rank's slices freed); what steps free later is
-    still kept for the next step. Returns whether anything was given back."""
+    """Hand the memory freed so far back to the OS (glibc's `malloc_trim`): after a start-up that freed much
+    (ZeRO 3: the whole model built, then all but this rank's slices freed), and at ZeRO 3 before the backward
+    of a unit too large for glibc to keep (its parameters and gradient are mapped afresh anyway); what steps
+    free is otherwise kept for the next step. Returns whether anything was given back."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc

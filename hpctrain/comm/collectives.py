@@ -95,10 +95,11 @@ class Collectives:
             out.copy_(send[lo:lo + counts[self.comm.rank]])
         elif how == "ring":
             self._ring_reduce_scatter(send, out, counts)
-        elif how == "reduce-scatter-block" and len(set(counts)) == 1:
-            self.comm.mpi.Reduce_scatter_block(buffer_spec(send, MPI), buffer_spec(out, MPI), op=op)
+        elif how == "reduce-scatter-block" and len(set(counts)) == 1:  # `out` resizable: ZeRO 3 frees it between steps
+            self.comm.mpi.Reduce_scatter_block(buffer_spec(send, MPI), buffer_spec(out, MPI, resizable=True), op=op)
         else:
-            self.comm.mpi.Reduce_scatter(buffer_spec(send, MPI), buffer_spec(out, MPI), recvcounts=counts, op=op)
+            self.comm.mpi.Reduce_scatter(buffer_spec(send, MPI), buffer_spec(out, MPI, resizable=True),
+                                         recvcounts=counts, op=op)
 
     def _ring_reduce_scatter(self, send: Any, out: Any, counts: list[int]) -> None:
         """The sum of `send` over the ranks, this rank's slice of it into `out`, around the ring of ranks: W - 1
@@ -124,7 +125,8 @@ class Collectives:
             got = into[:n] if n <= into.numel() and into.dtype == flat.dtype else torch.empty(
                 n, dtype=flat.dtype, device=flat.device)
             self.comm.mpi.Sendrecv(buffer_spec(flat[starts[give]:starts[give + 1]], MPI), dest=right,
-                                   sendtag=RING_TAG, recvbuf=buffer_spec(got, MPI), source=left, recvtag=RING_TAG)
+                                   sendtag=RING_TAG, recvbuf=buffer_spec(got, MPI, resizable=True), source=left,
+                                   recvtag=RING_TAG)
             mine = flat[starts[take]:starts[take + 1]]
             if step < size - 2:
                 mine.add_(got)

@@ -195,6 +195,14 @@ def test_the_library_api_shards_steps_and_restores_across_stages(tmp_path: Path,
     assert f"ZERO API OK {n}" in proc.stdout
 
 
+def test_stage_3_frees_the_gradient_slices_between_steps_and_kept_memory_before_a_large_units_backward() -> None:
+    """What lowers stage 3's peak: a unit's backward (its parameters and gradient whole) holds only the gradient
+    slices reduced before it, and none of the freed memory glibc kept; the model still ends as zero=0's."""
+    proc = mpirun(2, [str(Path(__file__).parent / "scripts" / "zero3_memory_check.py")], python_module=False,
+                  timeout=180)
+    assert proc.stdout.count("ZERO3 MEMORY OK") == 2, proc.stdout
+
+
 def test_gradient_accumulation_at_stage_3_with_overlap_matches_stage_0(tmp_path: Path, digits4: Path) -> None:
     """Micro-batches accumulate into autograd's own gradients; only the last one's backward sends them; each
     micro-batch gathers the parameters again, on the communication thread, the next unit prefetched."""
