@@ -9,9 +9,9 @@ Horovod's does for a name "currently being processed". Horovod frees the name wh
 so whether a quick second submission raises depends on how fast the others were: under load the first can
 complete in between, the second is then accepted, and it waits forever for a partner that already met the
 first (Horovod's own duplicate-name tests hung so against hpctrain.horovod). Here the name stays taken until
-the submitting rank synchronizes: its own handle, or any later one, which also frees every name whose
-operation has completed by then (a handle given up on, say after an exception, does not hold its name
-forever). A rank's own sequence of calls decides, never the timing of the others.
+the submitting rank synchronizes its handle; a handle given up on (say after an exception) frees its name once
+its operation has completed and the rank has synchronized any other handle since submitting it. A rank's own
+sequence of calls decides, never the timing of the others.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ _OP_NAMES = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "produ
 
 _COUNTER = itertools.count(1)
 _HANDLES: dict[int, "Handle"] = {}
-# names taken until synchronized: (id(group), name) -> (group, entry, handle); the group itself is kept, so that
-# a name taken in a process set since shut down (a new group at the same id) does not count
-_TAKEN: dict[tuple[int, str], tuple[Any, Entry, int]] = {}
+# names taken until synchronized: (id(group), name) -> (group, entry, handle, _SYNCS when submitted); the group
+# itself is kept, so that a name taken in a process set since shut down (a new group at the same id) does not
+# count. _SYNCS counts this process's synchronizes.
+_TAKEN: dict[tuple[int, str], tuple[Any, Entry, int, int]] = {}
+_SYNCS = 0
 _LOCK = threading.Lock()
 
 
@@ -41,11 +43,12 @@ class HorovodInternalError(RuntimeError):
 class Handle:
     """The entries of one asynchronous call and how to turn their results into what the call returns."""
 
-    __slots__ = ("entries", "post")
+    __slots__ = ("entries", "post", "names")
 
     def __init__(self, entries: list[Entry], post: Callable[[list[Any]], Any]):
         self.entries = entries
         self.post = post
+        self.names: list[tuple[int, str]] = []  # the keys of `_TAKEN` it took
 
 
 def new_handle() -> int:
@@ -81,7 +84,8 @@ def submit(process_set: ProcessSet, entries: list[Entry], post: Callable[[list[A
     with _LOCK:
         for entry in entries:
             taken = _TAKEN.get((id(group), entry.request.name))
-            if taken is not None and taken[0] is group:
+            # still taken: not synchronized, and not completed before a later synchronize (given up on)
+            if taken is not None and taken[0] is group and not (taken[1].done.is_set() and _SYNCS > taken[3]):
                 raise ValueError(f"a {entry.request.kind} named '{entry.request.name}' was submitted on this rank "
                                  f"(handle {taken[2]}) and not synchronized yet: give concurrent operations "
                                  "distinct names")
@@ -95,10 +99,11 @@ def submit(process_set: ProcessSet, entries: list[Entry], post: Callable[[list[A
                 _HANDLES[handle] = Handle(submitted, post)
         raise
     with _LOCK:
-        _HANDLES[handle] = Handle(entries, post)
+        _HANDLES[handle] = made = Handle(entries, post)
         for entry in entries:
             if entry.request.kind not in ("barrier", "join"):  # named by the library, never twice at once
-                _TAKEN[(id(group), entry.request.name)] = (group, entry, handle)
+                made.names.append((id(group), entry.request.name))
+                _TAKEN[made.names[-1]] = (group, entry, handle, _SYNCS)
     return handle
 
 
@@ -121,19 +126,22 @@ def synchronize(handle: int) -> Any:
     for entry in found.entries:
         while not entry.done.wait(1.0):  # bounded waits: Ctrl-C and the stall inspector stay live
             pass
-    _free_names(found.entries)
+    _free_names(found)  # after the wait: a synchronize counts once it has returned
     errors = [entry.error for entry in found.entries if entry.error is not None]
     if errors:
         raise errors[0]
     return found.post([entry.result for entry in found.entries])
 
 
-def _free_names(synchronized: list[Entry]) -> None:
-    """The names of `synchronized`, and of every operation completed by now, may be submitted again."""
-    ours = {id(entry) for entry in synchronized}
+def _free_names(synchronized: Handle) -> None:
+    """The names `synchronized` took may be submitted again; so may, from now on, those of operations given up
+    on (completed, never synchronized): `submit` counts this synchronize."""
+    global _SYNCS
     with _LOCK:
-        for key, (_, entry, _) in list(_TAKEN.items()):
-            if id(entry) in ours or entry.done.is_set():
+        _SYNCS += 1
+        for key in synchronized.names:
+            taken = _TAKEN.get(key)
+            if taken is not None and any(taken[1] is entry for entry in synchronized.entries):
                 del _TAKEN[key]
 
 
