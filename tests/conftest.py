@@ -55,7 +55,7 @@ def digits2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`--dist loadfile` (`make test`: two workers) keeps each file's tests on one worker, so its module
+    """`--dist loadfile` (`make test TEST_WORKERS=2`) keeps each file's tests on one worker, so its module
     fixtures are built once; here the Slurm files count as one file: one worker owns the local cluster."""
     if config.getoption("dist") != "loadfile":
         return None
