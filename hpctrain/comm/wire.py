@@ -29,9 +29,16 @@ def buffer_spec(tensor: Any, MPI: Any, *, resizable: bool = False) -> Any:
         torch.cuda.current_stream(tensor.device).synchronize()
     if tensor.dtype in (torch.bfloat16, torch.float16):
         raw = tensor.view(torch.int16)
-        return [raw if raw.is_cuda else raw.numpy(), half_type(MPI)]
+        return [raw if raw.is_cuda else _host_array(raw, MPI, resizable), half_type(MPI)]
     if tensor.is_cuda:
         return tensor
+    return _host_array(tensor, MPI, resizable)
+
+
+def _host_array(tensor: Any, MPI: Any, resizable: bool) -> Any:
+    """A numpy array over a host tensor's memory: by its address when `resizable` (the storage stays free to
+    be resized: ZeRO 3's gathered parameters and gradient slices, in any dtype), else `Tensor.numpy()`, which
+    keeps the tensor alive as long as the array."""
     if resizable and tensor.numel():
         nbytes = tensor.numel() * tensor.element_size()
         return np.frombuffer(MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), dtype=str(tensor.dtype).removeprefix("torch."))

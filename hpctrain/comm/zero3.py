@@ -123,7 +123,8 @@ def _release_memory(tensor: Any) -> None:
 
 
 def _hold(tensor: Any, zero: bool) -> None:
-    """Give `tensor` memory again if `_release_memory` took it (zeroed with `zero`)."""
+    """Give `tensor` memory again if it was given back (by `_release_memory` or `ShardedParams._release`),
+    zeroed with `zero`."""
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0 and tensor.numel():
         storage.resize_(tensor.numel() * tensor.element_size())
@@ -357,8 +358,7 @@ class ShardedParams(Strategy):
             small = sum(p.numel() for p in bucket.params if p.numel() * p.element_size() < self.engine.OWN_BYTES)
             allreduce_into_shard(self.engine, bucket, flat.new_empty(small))
             return
-        if self.engine.comm.size > 1 and flat.untyped_storage().nbytes() == 0:  # never gathered this step
-            flat.untyped_storage().resize_(bucket.numel * flat.element_size())
+        _hold(flat, zero=False)  # never gathered this step: memory to pack the gradients into
         buffer = flat if self.engine.comm.size > 1 else flat.new_empty(bucket.numel)
         reduce_into_shard(self.engine, pack(bucket, buffer), bucket)
         if self.engine.comm.size > 1:
@@ -376,7 +376,7 @@ class ShardedParams(Strategy):
         """After every reduction of a step: no unit stays gathered (one prefetched but never used, or a unit
         that got no gradient)."""
         for unit in self.units:
-            _hold(unit.bucket.shard, zero=True)  # a unit reduced in no step yet: no gradient, zeros
+            _hold(unit.bucket.shard, zero=True)  # not reduced this step (its memory given back): zeros
             if unit.state == "pending":
                 self.gather(unit)
             if unit.state == "gathered":

@@ -51,6 +51,20 @@ def test_a_cuda_tensor_handed_to_mpi_waits_for_its_stream(monkeypatch) -> None:
     assert isinstance(wire.buffer_spec(torch.ones(3), None), np.ndarray) and calls == []  # host memory: nothing
 
 
+def test_a_resizable_spec_leaves_the_storage_resizable_in_every_dtype() -> None:
+    """ZeRO 3 frees its gathered parameters and gradient slices (storage resized to nothing) between uses; the
+    spec MPI writes them through must not pin their size, in 16 bits (bf16 parameters) as in 32."""
+    from mpi4py import MPI
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tensor = torch.arange(6, dtype=torch.float32).to(dtype)
+        spec = wire.buffer_spec(tensor, MPI, resizable=True)
+        array = spec[0] if isinstance(spec, list) else spec
+        assert array.ctypes.data == tensor.data_ptr() and array.nbytes == tensor.numel() * tensor.element_size()
+        tensor.untyped_storage().resize_(0)  # raises once Tensor.numpy() has pinned the storage
+        tensor.untyped_storage().resize_(6 * tensor.element_size())
+
+
 def _spec_names(func: ast.FunctionDef) -> set[str]:
     """Names bound in `func` to a buffer spec (spec = buffer_spec(...))."""
     names = set()
