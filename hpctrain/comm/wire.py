@@ -41,7 +41,8 @@ def _host_array(tensor: Any, MPI: Any, resizable: bool) -> Any:
     keeps the tensor alive as long as the array."""
     if resizable and tensor.numel():
         nbytes = tensor.numel() * tensor.element_size()
-        return np.frombuffer(MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), dtype=str(tensor.dtype).removeprefix("torch."))
+        return np.frombuffer(MPI.buffer.fromaddress(tensor.data_ptr(), nbytes),
+                             dtype=str(tensor.dtype).removeprefix("torch."))
     return tensor.numpy()
 
 
