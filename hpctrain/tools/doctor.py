@@ -9,6 +9,7 @@ rank and gathers the reports, so every rank returns the same combined report. `f
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 from typing import Any
@@ -58,7 +59,18 @@ def torch_facts(env: RankEnv) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpus_owned": env.torch_threads(),
         "cpus_available": env.cpus_available,
+        "huge_pages": huge_pages_text(),
     }
+
+
+def huge_pages_text() -> str:
+    """Whether torch places large CPU tensors on huge pages in this process (`base.hostmem.prefer_huge_pages`)."""
+    from ..base.hostmem import THP_ENV, huge_pages_possible
+
+    if not huge_pages_possible():
+        return "off (the kernel gives none)"
+    value = os.environ.get(THP_ENV)
+    return "on" if value == "1" else f"off ({THP_ENV}={value if value is not None else 'unset'})"
 
 
 def hdf5_facts() -> dict[str, Any]:
@@ -263,7 +275,8 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         build = f"CUDA {torch['cuda']}" if torch["cuda"] else "CPU-only build"
         row("torch", f"{torch['version']} ({build}), {torch['threads']} thread(s); this rank owns "
-                     f"{torch['cpus_owned']} of {torch['cpus_available']} CPU(s)")
+                     f"{torch['cpus_owned']} of {torch['cpus_available']} CPU(s); huge pages "
+                     f"{torch.get('huge_pages', 'unknown')}")
     if n > 1:
         lines.append("  ranks:")
         for r in report["ranks"]:

@@ -56,3 +56,44 @@ def test_it_starts_no_process() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60,
                          env=clean).stdout.strip()
     assert out == "True []", out
+
+
+HUGE_PROBE = ("import os, sys\n"
+              "import hpctrain, torch\n"
+              "t = torch.ones(8 << 20, dtype=torch.uint8)\n"
+              "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), t.data_ptr() % 4096 == 0)\n")
+
+
+def _huge(**env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    return subprocess.run([sys.executable, "-c", HUGE_PROBE], capture_output=True, text=True, check=True, timeout=60,
+                          env={**clean, **env}).stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_importing_hpctrain_puts_torchs_large_tensors_on_huge_pages_unless_the_user_chose() -> None:
+    """torch (c10's alloc_cpu) page-aligns a large CPU tensor and advises huge pages for it only under
+    THP_MEM_ALLOC_ENABLE=1, read at its first allocation: the import must set it before any tensor exists.
+    Without it, torch aligns to 64 bytes (so page alignment is the mark; one chance in 64 of it by luck, which
+    is why the user's own choice is checked only through the variable)."""
+    from hpctrain.base.hostmem import huge_pages_possible
+
+    if not huge_pages_possible():
+        pytest.skip("this kernel gives no transparent huge pages (mode never): nothing to ask for")
+    assert _huge() == "1 True"
+    assert _huge(THP_MEM_ALLOC_ENABLE="0").startswith("0 ")
+
+
+def test_huge_pages_are_asked_for_only_where_the_kernel_has_them(tmp_path, monkeypatch) -> None:
+    from hpctrain.base import hostmem
+
+    monkeypatch.delenv(hostmem.THP_ENV, raising=False)
+    never = tmp_path / "never"
+    never.write_text("always madvise [never]\n")
+    assert not hostmem.prefer_huge_pages(str(never)) and hostmem.THP_ENV not in os.environ
+    assert not hostmem.prefer_huge_pages(str(tmp_path / "absent")) and hostmem.THP_ENV not in os.environ
+    madvise = tmp_path / "madvise"
+    madvise.write_text("always [madvise] never\n")
+    assert hostmem.prefer_huge_pages(str(madvise)) and os.environ[hostmem.THP_ENV] == "1"
+    monkeypatch.setenv(hostmem.THP_ENV, "0")
+    assert not hostmem.prefer_huge_pages(str(madvise)) and os.environ[hostmem.THP_ENV] == "0"
