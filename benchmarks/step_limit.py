@@ -74,6 +74,8 @@ def _timed(step, batches: list, steps: int) -> float:
 
 def worker(kind: str, steps: int) -> None:
     """One rank of a measured loop; rank 0 prints {"step_ms": slowest rank's median, ...} as JSON."""
+    if kind == "api":  # imported before the model is built, as at a script's top: torch then takes the huge
+        import hpctrain  # noqa: F401  pages hpctrain asks for (hpctrain/base/hostmem.py)
     import torch
 
     torch.set_num_threads(_threads())

@@ -44,6 +44,7 @@ from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
 from .data import staging
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
+from .base.hostmem import HUGE_PAGES_MISSED, huge_pages_missed
 from .base.rankenv import RankEnv, read_env, select_device
 from .base.errors import CheckpointError, ConfigError, HpctrainError
 from .base.stop import FLAG as STOP
@@ -67,7 +68,8 @@ class Context:
 
 def init(*, threads: int | None = None) -> Context:
     """Start MPI (one rank without a launcher), size torch's thread pool to the CPUs this rank owns and pick
-    its device (one GPU per local rank when GPUs are visible, else the CPU). Safe to call twice."""
+    its device (one GPU per local rank when GPUs are visible, else the CPU). Safe to call twice. Rank 0 warns
+    when torch allocated before `import hpctrain` and so missed its huge pages (`base.hostmem`)."""
     global _CONTEXT
     if _CONTEXT is None:
         env = read_env()
@@ -77,6 +79,8 @@ def init(*, threads: int | None = None) -> Context:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _CONTEXT = Context(comm.rank, comm.size, env.local_rank, device, comm, env)
+        if comm.rank == 0 and huge_pages_missed():
+            warnings.warn(HUGE_PAGES_MISSED, stacklevel=2)
     return _CONTEXT
 
 

@@ -12,14 +12,15 @@ bucket views: 42 ms). `reuse_freed_memory()` sets those two with `mallopt`; an a
 Huge pages (`prefer_huge_pages`, at `import hpctrain`): torch's CPU allocator places a tensor of 2 MiB or more
 on a page boundary and advises transparent huge pages for it when `THP_MEM_ALLOC_ENABLE=1` (c10's
 `alloc_cpu`; off by default). MPI moves a large message between ranks of a node by a single copy from the
-other process's memory (Open MPI's vader BTL through CMA, `process_vm_readv`), which pins and walks the
-source pages one by one. Over 4 KiB pages the reference MLP's 23 MB allreduce took 6.5 ms in torch memory
+other process's memory (Open MPI's vader BTL through CMA, `process_vm_readv`), which takes the source page
+by page. Over 4 KiB pages the reference MLP's 23 MB allreduce took 6.5 ms in torch memory
 and 3.7 ms in numpy's (numpy advises huge pages for its large arrays); with the setting, 2.8 ms in torch
 memory (`python benchmarks/hugepages.py`, 2 ranks). The gradients autograd hands over are torch memory, so
 this was most of what separated hpctrain's sync from the raw allreduce of `hpctrain bench train`'s limit.
 Huge pages pay only where memory is kept: a plain torch loop with glibc's defaults and the setting stepped
-slower (32-37 ms against 28-34), each step faulting its fresh gradients' huge pages in anew. torch reads
-the variable once, at its first CPU allocation: hence the package import sets it, before any model is built.
+slower (32-37 ms against 28-34), likely because each step faults its fresh gradients' huge pages in anew.
+torch reads the variable once, at its first CPU allocation: hence the package import sets it, before any
+model is built.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ MMAP_THRESHOLD = 32 << 20  # glibc's maximum (DEFAULT_MMAP_THRESHOLD_MAX on 64-b
 TRIM_THRESHOLD = 1 << 30
 THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's (c10/core/alloc_cpu.cpp)
 THP_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP_PROBE_BYTES = 4 << 20  # above torch's 2 MiB threshold for huge pages
+PAGE_BYTES = 4096
 
 _done = False
 
@@ -51,10 +54,29 @@ def prefer_huge_pages(sysfs: str = THP_SYSFS) -> bool:
     """Ask torch to place its large CPU tensors on huge pages (`THP_MEM_ALLOC_ENABLE=1`), unless the user set
     the variable or the kernel has none to give; returns whether torch's setting is now on. It takes effect only
     if torch has not allocated CPU memory yet in this process (torch reads it once), which is why
-    `import hpctrain` calls it; a process that allocated first keeps 4 KiB pages. `hpctrain doctor` shows the setting."""
+    `import hpctrain` calls it; a process that allocated first keeps 4 KiB pages. `hpctrain doctor` shows the
+    setting."""
     if THP_ENV not in os.environ and huge_pages_possible(sysfs):
         os.environ[THP_ENV] = "1"
     return os.environ.get(THP_ENV) == "1"
+
+
+def huge_pages_missed() -> bool:
+    """Whether huge pages were asked for but torch did not take the setting: it had allocated CPU memory before
+    `import hpctrain` set it (torch reads it once). Probed: with the setting, torch puts a tensor of 2 MiB or
+    more on a page boundary; without it, on 64 bytes (two probes on page boundaries by chance: 1 in 4096)."""
+    if os.environ.get(THP_ENV) != "1" or not huge_pages_possible():
+        return False
+    import torch
+
+    probes = [torch.empty(THP_PROBE_BYTES, dtype=torch.uint8) for _ in range(2)]
+    return any(p.data_ptr() % PAGE_BYTES for p in probes)
+
+
+HUGE_PAGES_MISSED = ("torch allocated CPU memory before `import hpctrain` asked it for huge pages, so its large "
+                     "tensors sit on 4 KiB pages and gradient allreduces between the ranks of a node run up to 2x "
+                     "slower: import hpctrain before building the model, or export THP_MEM_ALLOC_ENABLE=1 before "
+                     "starting Python")
 
 
 def reuse_freed_memory() -> bool:

@@ -97,3 +97,31 @@ def test_huge_pages_are_asked_for_only_where_the_kernel_has_them(tmp_path, monke
     assert hostmem.prefer_huge_pages(str(madvise)) and os.environ[hostmem.THP_ENV] == "1"
     monkeypatch.setenv(hostmem.THP_ENV, "0")
     assert not hostmem.prefer_huge_pages(str(madvise)) and os.environ[hostmem.THP_ENV] == "0"
+
+
+INIT_PROBE = ("import warnings\n"
+              "import torch\n"
+              "{first}"
+              "model = torch.nn.Linear(784, 2048)\n"
+              "import hpctrain\n"
+              "with warnings.catch_warnings(record=True) as seen:\n"
+              "    warnings.simplefilter('always')\n"
+              "    hpctrain.init()\n"
+              "print([str(w.message).split(',')[0] for w in seen])\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_init_warns_when_torch_allocated_before_hpctrain_was_imported() -> None:
+    from hpctrain.base.hostmem import huge_pages_possible
+
+    if not huge_pages_possible():
+        pytest.skip("this kernel gives no transparent huge pages (mode never): nothing is missed")
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE" and not k.startswith("OMPI_COMM")}
+
+    def run(first: str) -> str:
+        return subprocess.run([sys.executable, "-c", INIT_PROBE.format(first=first)], capture_output=True, text=True,
+                              check=True, timeout=120, env=clean).stdout.strip()
+
+    # the model built, then hpctrain imported: torch took its setting before hpctrain could give it
+    assert run("") == "['torch allocated CPU memory before `import hpctrain` asked it for huge pages']"
+    assert run("import hpctrain\n") == "[]"  # imported first, as at a script's top: nothing to say
