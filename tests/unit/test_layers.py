@@ -35,7 +35,9 @@ MAY_IMPORT = {
     "horovod": {"base", "trace", "comm", "horovod"},  # Horovod's PyTorch API over the comm layer (import hpctrain.horovod)
     "tools": {"base", "trace", "compute", "comm", "data", "parallel", "control", "tools"},
     "cli": {"base", "trace", "compute", "comm", "data", "parallel", "control", "api", "tools", "cli"},
-    "__init__": {"api"},  # lazily, on first use of the library API
+    # the library API lazily, on first use; base.hostmem at once: torch's huge pages must be asked for before torch
+    # allocates anything (the package import is the one place every entry passes first)
+    "__init__": {"base", "api"},
     "__main__": {"base", "cli"},
 }
 OWNERS = {"mpi4py": "hpctrain.comm", "submitit": "hpctrain.tools.slurm", "hpccm": "hpctrain.tools.containers"}
