@@ -44,7 +44,7 @@ from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
 from .data import staging
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
-from .base.hostmem import HUGE_PAGES_MISSED, huge_pages_missed
+from .base.hostmem import warn_if_huge_pages_missed
 from .base.rankenv import RankEnv, read_env, select_device
 from .base.errors import CheckpointError, ConfigError, HpctrainError
 from .base.stop import FLAG as STOP
@@ -79,8 +79,7 @@ def init(*, threads: int | None = None) -> Context:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _CONTEXT = Context(comm.rank, comm.size, env.local_rank, device, comm, env)
-        if comm.rank == 0 and huge_pages_missed():
-            warnings.warn(HUGE_PAGES_MISSED, stacklevel=2)
+        warn_if_huge_pages_missed(comm.rank)
     return _CONTEXT
 
 

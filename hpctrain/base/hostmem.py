@@ -79,6 +79,15 @@ HUGE_PAGES_MISSED = ("torch allocated CPU memory before `import hpctrain` asked 
                      "starting Python")
 
 
+def warn_if_huge_pages_missed(rank: int) -> None:
+    """The library entries' start (`hpctrain.init()`, `hvd.init()`): on rank 0, a warning when torch missed the
+    huge pages (`huge_pages_missed`), pointing at the caller's script."""
+    if rank == 0 and huge_pages_missed():
+        import warnings
+
+        warnings.warn(HUGE_PAGES_MISSED, stacklevel=3)
+
+
 def reuse_freed_memory() -> bool:
     """Keep freed memory of up to 32 MiB per allocation in the process for the next step (once per process);
     returns whether the allocator was told so."""
