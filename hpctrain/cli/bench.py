@@ -245,7 +245,7 @@ def data(
     Example: hpctrain bench data data/ --json
     """
     _relaunch(n)
-    from ..tools.bench import bench_data
+    from ..tools.benchdata import bench_data
     from ..tools.benchwatch import watched
     from ..comm import Comm, world
     from ..base.rankenv import read_env
@@ -263,3 +263,4 @@ def data(
     print(f"  raw contiguous h5py  {result['raw_samples_per_s']:12.0f} samples/s  {result['raw_mb_per_s']:8.1f} MB/s")
     print(f"  hpctrain reader      {result['reader_samples_per_s']:12.0f} samples/s  {result['reader_mb_per_s']:8.1f} MB/s"
           f"  ({result['reader_over_raw']:.2f}x raw)")
+    print("  first batch of each epoch " + ", ".join(f"{v:.1f}" for v in result["first_batch_ms"]) + " ms")

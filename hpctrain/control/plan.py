@@ -13,9 +13,11 @@ Per rank, the largest one, counted as the run holds them between two steps (what
   AdamW, 4 for SGD with momentum, and Adam's 4-byte step per parameter slice;
 - activations: what autograd saves for backward in one forward of a micro-batch (measured on the meta device;
   under bf16/fp16 half of it, plus the 16-bit copies of the weights autocast saves);
+- data (a run on a shard set): the reader's window buffers and the labels and ids it loads whole
+  (`data.reader.planned_bytes`: one window when a rank's part of the data set fits in one, else up to four);
 - start-up: every rank builds the whole model (4P) before it is sharded, so a run's peak is at least that.
 The peak a process reaches adds its runtime (Python, torch, MPI: measured in this process) to the larger of
-start-up and a step.
+start-up and a step (which holds the data buffers too).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Plan:
     startup: int
     runtime: int
     extra: dict[str, Any] = field(default_factory=dict)
+    data: int = 0
 
     @property
     def state(self) -> int:
@@ -55,14 +58,14 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        return self.runtime + max(self.startup, self.state + self.gathered + self.activations)
+        return self.runtime + max(self.startup, self.state + self.gathered + self.activations + self.data)
 
 
 def as_dict(p: Plan) -> dict[str, int]:
     """The plan's figures (bytes per rank), for summary.json and `hpctrain plan --json`."""
     return {"stage": p.stage, "world": p.world, "params": p.params, "grads": p.grads, "optimizer": p.optimizer,
-            "gathered": p.gathered, "activations": p.activations, "state": p.state, "startup": p.startup,
-            "runtime": p.runtime, "peak": p.peak}
+            "gathered": p.gathered, "activations": p.activations, "data": p.data, "state": p.state,
+            "startup": p.startup, "runtime": p.runtime, "peak": p.peak}
 
 
 def runtime_bytes() -> int:
@@ -123,9 +126,9 @@ def saved_bytes(model: Any, example: Any, loss: Any) -> int:
 
 
 def plan(model: Any, *, world: int, zero: int, optimizer: str, activations: int, precision: str = "fp32",
-         bucket_mb: float = 25.0, momentum: float = 0.9, runtime: int | None = None) -> Plan:
+         bucket_mb: float = 25.0, momentum: float = 0.9, runtime: int | None = None, data: int = 0) -> Plan:
     """The plan of `model` (on any device, meta included) at ZeRO `zero` on `world` ranks; `activations` are
-    the bytes autograd saves for one micro-batch in fp32 (`saved_bytes`)."""
+    the bytes autograd saves for one micro-batch in fp32 (`saved_bytes`), `data` what the readers hold."""
     if zero not in (0, 1, 2, 3) or world < 1:
         raise ConfigError(f"plan: --zero {zero!r} must be 0-3 and --world {world!r} at least 1")
     ordered = trainable_in_backward_order(model.parameters())
@@ -151,7 +154,7 @@ def plan(model: Any, *, world: int, zero: int, optimizer: str, activations: int,
     act = activations if precision == "fp32" else activations // 2 + 2 * total
     return Plan(zero, world, params, grads, state, gathered, act, total * size,
                 runtime if runtime is not None else runtime_bytes(),
-                {"parameters": total, "buckets": len(groups), "largest_bucket": max(numels) * size})
+                {"parameters": total, "buckets": len(groups), "largest_bucket": max(numels) * size}, data)
 
 
 def _owned_params(group: list[Any], world: int) -> list[int]:
@@ -196,7 +199,8 @@ def line(p: Plan) -> str:
     """One line of the plan, as `train` logs it."""
     return (f"memory plan, ZeRO stage {p.stage} on {p.world} ranks, per rank: parameters {human(p.params)}, "
             f"gradients {human(p.grads)}, optimizer {human(p.optimizer)}, gathered {human(p.gathered)}, "
-            f"activations ~{human(p.activations)}, runtime {human(p.runtime)}; peak ~{human(p.peak)}")
+            f"activations ~{human(p.activations)}, data {human(p.data)}, runtime {human(p.runtime)}; "
+            f"peak ~{human(p.peak)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,22 +240,26 @@ def spec_model(spec: str, *, lm: bool, input_shape: tuple[int, ...] = (784,), cl
     return model, activations
 
 
-def stages(model: Any, activations: int, world: int, work: Workload, runtime: int | None = None) -> list[Plan]:
+def stages(model: Any, activations: int, world: int, work: Workload, runtime: int | None = None,
+           data: int = 0) -> list[Plan]:
     """The plans of stages 0-3 on `world` ranks."""
     runtime = runtime if runtime is not None else runtime_bytes()
     return [plan(model, world=world, zero=z, optimizer=work.optimizer, activations=activations,
-                 precision=work.precision, bucket_mb=work.bucket_mb, momentum=work.momentum, runtime=runtime)
-            for z in range(4)]
+                 precision=work.precision, bucket_mb=work.bucket_mb, momentum=work.momentum, runtime=runtime,
+                 data=data) for z in range(4)]
 
 
-def smallest_worlds(model: Any, activations: int, work: Workload, memory: int, *, most: int = 4096) -> dict[int, int | None]:
-    """The fewest ranks (a power of two up to `most`) on which each stage's peak fits `memory`; None: none."""
+def smallest_worlds(model: Any, activations: int, work: Workload, memory: int, *, most: int = 4096,
+                    data: Any = None) -> dict[int, int | None]:
+    """The fewest ranks (a power of two up to `most`) on which each stage's peak fits `memory`; None: none.
+    `data` (a function of the world size) gives the readers' bytes per rank."""
     runtime = runtime_bytes()
     out: dict[int, int | None] = {}
     for z in range(4):
         out[z] = next((w for w in (2**k for k in range(most.bit_length())) if plan(
             model, world=w, zero=z, optimizer=work.optimizer, activations=activations, precision=work.precision,
-            bucket_mb=work.bucket_mb, momentum=work.momentum, runtime=runtime).peak <= memory), None)
+            bucket_mb=work.bucket_mb, momentum=work.momentum, runtime=runtime,
+            data=data(w) if data is not None else 0).peak <= memory), None)
     return out
 
 
@@ -267,10 +275,13 @@ def table(spec: str, *, world: int, zero: int | None, optimizer: str, precision:
     if precision not in PRECISIONS:
         raise one_of("--precision", precision, PRECISIONS)
     limit = parse_memory(memory) if memory is not None else None
+    data_bytes = None
     if data is not None:
+        from ..data.reader import planned_bytes
         from ..data.shardformat import load_manifest
 
         shards = load_manifest(data)
+        data_bytes = lambda w: planned_bytes(shards, w)  # noqa: E731
         lm = shards.task == "lm"
         seq_len = shards.seq_len if lm else None
         model, activations = spec_model(spec, lm=lm, input_shape=tuple(shards.x_shape), classes=shards.num_classes,
@@ -286,7 +297,7 @@ def table(spec: str, *, world: int, zero: int | None, optimizer: str, precision:
     except Exception as exc:  # noqa: BLE001 - the user's forward on the meta device
         raise ConfigError(f"--model {spec!r} does not run on torch's meta device ({type(exc).__name__}: {exc}); "
                           "the plan builds the model there to need no memory") from None
-    plans = stages(model, act, world, work, runtime=warm_runtime(optimizer))
+    plans = stages(model, act, world, work, runtime=warm_runtime(optimizer), data=data_bytes(world) if data_bytes else 0)
     total = plans[0].extra["parameters"]
     rows = [f"{spec} ({total / 1e6:,.1f} M parameters), {optimizer}, {precision}, micro-batch {batch_size}"
             f"{f' x {seq_len} tokens' if lm else ''}, {world} rank"
@@ -298,13 +309,15 @@ def table(spec: str, *, world: int, zero: int | None, optimizer: str, precision:
         rows.append(f"{p.stage:>5}  {human(p.params):>10}  {human(p.grads):>10}  {human(p.optimizer):>10}  "
                     f"{human(p.gathered):>10}  {human(p.activations):>11}  {human(p.state):>10}  {human(p.peak):>10}{mark}")
     rows.append(f"peak = runtime {human(plans[0].runtime)} + the larger of start-up (the whole model, "
-                f"{human(plans[0].startup)}, built on every rank before it is sharded) and a step")
+                f"{human(plans[0].startup)}, built on every rank before it is sharded) and a step"
+                + (f" (with the data reader's {human(plans[0].data)}: its window buffers, labels and ids)"
+                   if plans[0].data else ""))
     out: dict[str, Any] = {"model": spec, "parameters": total, "world": world, "optimizer": optimizer,
                            "precision": precision, "batch_size": batch_size,
                            "stages": [as_dict(p) for p in plans]}
     if limit is not None:
         good = [p.stage for p in fits(plans, limit)]
-        fewest = smallest_worlds(model, act, work, limit)
+        fewest = smallest_worlds(model, act, work, limit, data=data_bytes)
         rows.append(f"--memory {memory}: on {world} rank{'s' if world > 1 else ''} "
                     + (f"stage{'s' if len(good) > 1 else ''} {', '.join(map(str, good))} fit{'' if len(good) > 1 else 's'}"
                        if good else "no stage fits"))
@@ -326,8 +339,10 @@ def for_run(spec: str, shardset: Any, *, world: int, zero: int, work: Workload, 
         act = activations(work.batch_size)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's code on the meta device: no plan
         return f"no memory plan: model {spec!r} does not build and run on torch's meta device ({type(exc).__name__}: {exc})"
+    from ..data.reader import planned_bytes
+
     return plan(model, world=world, zero=zero, optimizer=work.optimizer, activations=act, precision=work.precision,
-                bucket_mb=work.bucket_mb, momentum=work.momentum, runtime=runtime)
+                bucket_mb=work.bucket_mb, momentum=work.momentum, runtime=runtime, data=planned_bytes(shardset, world))
 
 
 def measured(sync: Any, optimizer: Any, comm: Any, log: Any = None) -> dict[str, int]:

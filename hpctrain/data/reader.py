@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections import deque
@@ -30,6 +31,42 @@ from .shardformat import ShardFile, ShardSet
 from ..base.threads import join_logged
 
 JOIN_TIMEOUT_S = 10.0  # how long closing a reader waits for its threads before leaving them (logged)
+
+
+def _refs(bufs: dict[str, np.ndarray]) -> int:
+    """The most references any array of a window buffer has: every view of an array references it (numpy
+    points a view of a view at the owner too), so only the pool's own and this call's remain when none is
+    alive."""
+    return max(sys.getrefcount(a) for a in bufs.values())
+
+
+_FREE_REFS = _refs({"x": np.empty(1)})  # measured as the pool measures: a dict's array that nothing else holds
+WINDOWS_IN_USE = 4  # the most window buffers a reading-ahead epoch holds at once (`_window_buffers`)
+
+
+def _geometry(shardset: ShardSet, block_rows: int | None = None, window_rows: int | None = None) -> tuple[int, int]:
+    """(rows of a block, rows of a shuffle window) of a reader of `shardset`."""
+    row_bytes = max(1, int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize)
+    # blocks of about 2 MiB: large enough that h5py's per-read cost is small, small enough to shuffle well
+    block = block_rows or int(min(8192, max(64, (2 << 20) // row_bytes)))
+    # a shuffle window holds up to 64 MiB of samples (at most 65,536 of them)
+    return block, max(window_rows or min(1 << 16, (64 << 20) // row_bytes), block)
+
+
+def planned_bytes(shardset: ShardSet, world: int) -> int:
+    """The most memory one rank's readers hold, as `train` reads (the memory plan's `data`): the training
+    split's window buffers (one when the rank's part fits in one window, else up to `WINDOWS_IN_USE`), the
+    validation split's (read without read-ahead: up to three), and the labels and ids of every shard the rank
+    reads, which are loaded whole."""
+    row = int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize + 8 * (len(shardset.datasets()) - 1)
+    _, window = _geometry(shardset)
+    total = 0
+    for split, most in (("train", WINDOWS_IN_USE), ("val", WINDOWS_IN_USE - 1)):
+        if split not in shardset.splits:
+            continue
+        samples = max(sum(f.samples for f in shardset.rank_shards(split, r, world)) for r in range(world))
+        total += (min(samples, window) * (1 if samples <= window else most)) * row + 8 * (len(shardset.datasets()) - 1) * samples
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +108,7 @@ class ShardReader:
             self._keep, self.counts = self._exclusion(np.unique(exclude))
         self.samples = int(self.counts[rank])
         self.steps_per_epoch = int(max(0, -(-int(self.counts.max()) // batch_size)))
-        row_bytes = max(1, int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize)
-        # blocks of about 2 MiB: large enough that h5py's per-read cost is small, small enough to shuffle well
-        self.block_rows = block_rows or int(min(8192, max(64, (2 << 20) // row_bytes)))
-        # a shuffle window holds up to 64 MiB of samples (at most 65,536 of them)
-        self.window_rows = max(window_rows or min(1 << 16, (64 << 20) // row_bytes), self.block_rows)
+        self.block_rows, self.window_rows = _geometry(shardset, block_rows, window_rows)
         self.prefetch = prefetch
         self._handles: dict[Path, Any] = {}
         self._datasets: dict[tuple[Path, str], Any] = {}
@@ -83,7 +116,6 @@ class ShardReader:
         self._active: weakref.WeakSet[Any] = weakref.WeakSet()  # epochs being read (closed by close())
         self._ring: list[dict[str, np.ndarray]] = []
         self._ring_rows = 0
-        self._next = 0
 
     def _exclusion(self, exclude: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
         """Keep masks of this rank's files and every rank's remaining sample count."""
@@ -217,19 +249,20 @@ class ShardReader:
         return (out["index"],) if only_indices else (out["x"], out["y"], out["index"])
 
     def _window_buffers(self, rows: int) -> dict[str, np.ndarray]:
-        """Views of `rows` rows of the next buffer in a ring of four, allocated once per reader: a fresh
-        window-sized array every time would cost a page fault per 4 KiB (big arrays are mmapped). Four,
-        because a batch can straddle two windows while one more waits in the read-ahead queue and the next
-        is being read; batches are copies."""
+        """Views of `rows` rows of a window buffer that nothing holds now (the pool grows only when every
+        buffer is in use). In use: a view of it is alive, in the window being read, the one waiting in the
+        read-ahead queue, or the one or two a batch is gathered from (batches are copies): at most four.
+        Fresh memory costs more than the read: first touching a 40 MB window (numpy advises huge pages for
+        it) took 120-200 ms on the 2-core machine, reading it into used memory 12 ms (`hpctrain bench data`,
+        `first_batch_ms`). The old ring of four allocated all four before reusing one, so a data set of one
+        window per epoch paid that at each of its first four epochs and held four windows where one was used."""
         if rows > self._ring_rows:
-            self._ring_rows, self._ring, self._next = rows, [], 0  # a fresh ring: count from its start
-        if len(self._ring) < 4:
-            self._ring.append({"x": np.empty((self._ring_rows, *self.shardset.x_shape), np.dtype(self.shardset.x_dtype)),
-                               "y": np.empty(self._ring_rows, np.int64), "index": np.empty(self._ring_rows, np.int64)})
-            bufs = self._ring[-1]
-        else:
-            bufs = self._ring[self._next % 4]
-        self._next += 1
+            self._ring_rows, self._ring = rows, []  # larger windows: a fresh pool (the old one is dropped)
+        bufs = next((b for b in self._ring if _refs(b) <= _FREE_REFS), None)
+        if bufs is None:
+            bufs = {"x": np.empty((self._ring_rows, *self.shardset.x_shape), np.dtype(self.shardset.x_dtype)),
+                    "y": np.empty(self._ring_rows, np.int64), "index": np.empty(self._ring_rows, np.int64)}
+            self._ring.append(bufs)
         return {name: b[:rows] for name, b in bufs.items()}
 
     def _stream(self, epoch: int, skip: int) -> Iterator[list[Any]]:

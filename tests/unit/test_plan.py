@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -65,3 +67,28 @@ def test_the_command_prints_every_stage_and_which_fit() -> None:
     assert "stage  " in text and "--memory 300MiB" in text and "start-up" in text
     bad = hpctrain(["plan", "--optimizer", "lbfgs"], check=False)
     assert bad.returncode == 2 and "choose one of sgd, adam, adamw" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_plan_counts_what_the_data_readers_hold(tmp_path) -> None:
+    from hpctrain.base.config import ShardConfig
+    from hpctrain.data.reader import ShardReader, planned_bytes
+    from hpctrain.data.shardformat import load_manifest
+    from hpctrain.data.sharding import shard
+
+    data = tmp_path / "d"
+    shard(ShardConfig(source="synthetic:3000:784:10", out=data, shards=4, val_fraction=0.2), show_progress=False)
+    shardset = load_manifest(data)
+    held = 0
+    for split, kw in (("train", {}), ("val", {"batch_size": 256, "shuffle": False, "prefetch": 0})):
+        reader = ShardReader(shardset, split, rank=0, world=2, **{"batch_size": 64, **kw})  # as train makes them
+        for epoch in range(3):
+            for _ in reader.epoch(epoch):
+                pass
+        held += sum(a.nbytes for bufs in reader._ring for a in bufs.values())  # window buffers
+        held += sum(a.nbytes for a in reader._datasets.values() if isinstance(a, np.ndarray))  # labels and ids
+        reader.close()
+    assert planned_bytes(shardset, 2) == held  # equal shards: rank 0 holds what the largest rank does
+    out = json.loads(hpctrain(["plan", "--model", "mlp:64", "--data", str(data), "--world", "2", "--json"]).stdout)
+    stage = out["stages"][0]
+    assert stage["data"] == held and stage["peak"] == stage["runtime"] + max(
+        stage["startup"], stage["state"] + stage["gathered"] + stage["activations"] + held)

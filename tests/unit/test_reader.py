@@ -143,3 +143,34 @@ def test_elastic_rest_of_epoch_on_another_world_size(bigger: Path, shuffle: bool
     again = ShardReader(shardset, "train", rank=0, world=1, exclude=done, segment=2, **kw)
     part = [b.index for b in again.epoch(3, start_step=3)]
     np.testing.assert_array_equal(np.concatenate(part), tail[3 * 64:])
+
+
+def test_window_buffers_are_reused_once_free_never_while_a_batch_may_still_come_from_them(bigger: Path) -> None:
+    shardset = load_manifest(bigger)
+    one = ShardReader(shardset, "train", rank=0, world=1, batch_size=64, seed=1)  # one window holds all 5003 rows
+    for epoch in range(4):
+        assert sorted(np.concatenate([b.index for b in one.epoch(epoch)])) == list(range(5003))
+    assert len(one._ring) == 1  # every epoch read into the first epoch's buffer (fresh memory costs more than a read)
+    one.close()
+    many = ShardReader(shardset, "train", rank=0, world=1, batch_size=64, seed=1, block_rows=100, window_rows=700)
+    for epoch in range(3):  # eight windows an epoch, read ahead while batches straddle two: none overwritten early
+        batches = list(many.epoch(epoch))
+        assert sorted(np.concatenate([b.index for b in batches])) == list(range(5003))
+        x = np.concatenate([b.x for b in batches])
+        assert np.array_equal(x, shardset_x(bigger)[np.concatenate([b.index for b in batches])])
+    assert 2 <= len(many._ring) <= 5
+    many.close()
+
+
+def shardset_x(data: Path) -> np.ndarray:
+    """Every sample's features by global id, read straight from the shard files (normalized as the reader does)."""
+    import h5py
+
+    shardset = load_manifest(data)
+    rows = {}
+    for f in shardset.rank_shards("train", 0, 1):
+        with h5py.File(f.path, "r", locking=False) as h5:
+            for i, x in zip(h5["index"][()], h5["x"][()]):
+                rows[int(i)] = x
+    x = np.stack([rows[i] for i in range(len(rows))])
+    return shardset.normalize_on_read(x)
