@@ -8,7 +8,12 @@ the honest limit of `hpctrain bench train` times its raw allreduce on; numpy adv
 4 MiB or more). Each round runs one launch with torch's `THP_MEM_ALLOC_ENABLE=0` and one with `=1` (torch reads it
 once per process, so the setting needs its own launch), alternating, and prints the median milliseconds.
 
+`--first-touch` times the other side instead: first touching fresh memory (a 40 MB window, as the shard reader
+fills one), advised huge pages (numpy's default for large arrays) or not, several buffers in a row all kept
+alive, so every one is fresh memory (in one process, no MPI).
+
     python benchmarks/hugepages.py [--rounds 3] [--iters 30] [--json]
+    python benchmarks/hugepages.py --first-touch [--iters 6]
 """
 
 from __future__ import annotations
@@ -53,15 +58,40 @@ def worker(iters: int) -> None:
         print(json.dumps(out))
 
 
+def first_touch(iters: int) -> dict[str, list[float]]:
+    """Milliseconds to allocate and fill each of `iters` fresh 40 MB numpy arrays, kept alive, with and without
+    numpy's huge-page advice (in a child process each, so neither inherits the other's freed memory)."""
+    code = ("import json, sys, time, numpy as np\n"
+            "np._core.multiarray._set_madvise_hugepage(sys.argv[1] == '1')\n"
+            "kept, out = [], []\n"
+            f"for _ in range({iters}):\n"
+            "    t0 = time.perf_counter(); a = np.empty((12800, 784), np.float32); a.fill(0)\n"
+            "    out.append((time.perf_counter() - t0) * 1e3); kept.append(a)\n"
+            "print(json.dumps(out))\n")
+    return {name: json.loads(subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True,
+                                            check=True, timeout=300).stdout)
+            for name, flag in (("huge pages advised", "1"), ("4 KiB pages", "0"))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--first-touch", action="store_true", help="time first touching fresh memory instead")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.iters)
+        return
+    if args.first_touch:
+        got = first_touch(min(args.iters, 12))
+        if args.json:
+            print(json.dumps(got))
+            return
+        print("first touch of fresh 40 MB numpy arrays (12,800 x 784 float32), each kept alive; ms each:")
+        for name, times in got.items():
+            print(f"  {name:<20} " + ", ".join(f"{t:.1f}" for t in times))
         return
     rows: dict[str, list[dict[str, float]]] = {"0": [], "1": []}
     for _ in range(args.rounds):

@@ -10,7 +10,10 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
   between backward and the optimizer step (not the limit: it also pays the ranks' waits for each other's
   slowest step, every step, which the limit's separately timed medians leave out);
 - hpctrain from outside: `hpctrain launch -n 2 -- train`, the wall time of a long minus a short run over
-  the step difference (start-up and the end cancel);
+  the step difference (start-up and the end cancel: `train`), and the same difference of the training
+  loop's own wall time, `summary.json`'s `train_time_s` (`train_loop`: every step with everything between
+  steps, epoch boundaries and logged windows included, without the launch's start-up and end, which vary
+  by about a second from one launch to the next here, 2-3 ms a step over a 400-step difference);
 - hpctrain's library API: the custom loop a user writes with `DistributedOptimizer`;
 - torch DDP (gloo), the same loop as users write it;
 - Horovod's own benchmark loop (its `pytorch_synthetic_benchmark.py` loop: zero_grad, forward, cross
@@ -19,7 +22,11 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
 It prints each one's median step time and its ratio to the limit (or hpctrain's to it) with the spread
 over the rounds.
 
-    python benchmarks/step_limit.py [--rounds 5] [--horovod-python /opt/hvd/bin/python] [--json]
+Every loop is timed over as many steps as `train`'s long-minus-short difference (a loop timed over 60 steps, 2 s,
+against `train`'s 400, 14 s, drew its per-round ratio mostly from which of the machine's fast or slow seconds
+the short sample fell on: 0.95-1.15 per round in a run whose medians were 1.03 apart).
+
+    python benchmarks/step_limit.py [--rounds 5] [--long 190] [--horovod-python /opt/hvd/bin/python] [--json]
 """
 
 from __future__ import annotations
@@ -159,13 +166,15 @@ def _mpirun(python: str, kind: str, steps: int) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _train_s(data: Path, run: Path, steps: int) -> float:
+def _train_s(data: Path, run: Path, steps: int) -> tuple[float, float]:
+    """(the launch's wall seconds, its training loop's: summary.json's train_time_s)."""
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hpctrain", "launch", "-n", str(RANKS), "--", "train", "--data", str(data),
                     "--run-dir", str(run), "--model", f"mlp:{WIDTH},{WIDTH}", "--batch-size", str(BATCH),
                     "--max-steps", str(steps), "--epochs", "100", "--lr", "0.01", "--checkpoint-every", "0",
                     "--resume", "never", "--log-every", "50"], check=True, capture_output=True, env=ENV, timeout=600)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    return wall, json.loads((run / "summary.json").read_text())["train_time_s"]
 
 
 def _spread(values: list[float]) -> str:
@@ -175,7 +184,8 @@ def _spread(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=60, help="timed steps per loop and round")
+    ap.add_argument("--steps", type=int, help="timed steps per loop and round (default: the long minus the short "
+                    "`train` run's steps, so that every loop is timed over as many steps as `train`)")
     ap.add_argument("--long", type=int, default=190, help="steps of the long `train` run (the short one: 40)")
     ap.add_argument("--horovod-python", help="a Python that imports horovod.torch (else Horovod is skipped)")
     ap.add_argument("--json", action="store_true")
@@ -184,8 +194,9 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps)
         return
+    args.steps = args.steps or args.long - 40
     kinds = ["plain", "handwritten", "api", "ddp"] + (["horovod"] if args.horovod_python else [])
-    rows: dict[str, list[float]] = {k: [] for k in ["limit", "plain", "raw_allreduce", "train", *kinds[1:]]}
+    rows: dict[str, list[float]] = {k: [] for k in ["limit", "plain", "raw_allreduce", "train", "train_loop", *kinds[1:]]}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         subprocess.run([sys.executable, "-m", "hpctrain", "shard", f"synthetic:{RANKS * BATCH * 200}:{FEATURES}:{CLASSES}",
@@ -200,17 +211,21 @@ def main() -> None:
                     rows["limit"].append(got["step_ms"] + (0.0 if overlap else got["raw_allreduce_ms"]))
             long_s = _train_s(data, Path(tmp) / f"long{r}", args.long)
             short_s = _train_s(data, Path(tmp) / f"short{r}", 40)
-            rows["train"].append((long_s - short_s) / (args.long - 40) * 1e3)
+            rows["train"].append((long_s[0] - short_s[0]) / (args.long - 40) * 1e3)
+            rows["train_loop"].append((long_s[1] - short_s[1]) / (args.long - 40) * 1e3)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()),
                   file=sys.stderr, flush=True)
     result: dict[str, object] = {"rounds": args.rounds, "step_ms": {k: statistics.median(v) for k, v in rows.items()},
                                  "per_round_ms": rows}
-    ratios = {f"{k}_over_limit": [a / b for a, b in zip(rows[k], rows["limit"])] for k in ("train", "api", "handwritten")}
+    ratios = {f"{k}_over_limit": [a / b for a, b in zip(rows[k], rows["limit"])] for k in ("train", "train_loop", "api", "handwritten")}
     ratios["train_over_handwritten"] = [a / b for a, b in zip(rows["train"], rows["handwritten"])]
     for k in ("ddp", "horovod"):
         if rows.get(k):
             ratios[f"{k}_over_train"] = [a / b for a, b in zip(rows[k], rows["train"])]
     result["ratios"] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in ratios.items()}
+    # the same ratios of the loops' medians over the rounds (each loop's noise taken out before dividing)
+    medians = {k: statistics.median(v) for k, v in rows.items() if v}
+    result["ratios_of_medians"] = {f"{k}_over_limit": medians[k] / medians["limit"] for k in ("train", "train_loop", "api")}
     if args.json:
         print(json.dumps(result))
         return
@@ -218,11 +233,12 @@ def main() -> None:
     print(f"reference MLP, {RANKS} ranks, batch {BATCH}/rank, {args.rounds} alternating rounds (median, min-max):")
     print(f"  limit             {med['limit']:7.2f} ms  (plain torch {med['plain']:.2f} + raw allreduce "
           f"{med['raw_allreduce']:.2f})")
-    for k in ("handwritten", "train", "api", "ddp", "horovod"):
+    for k in ("handwritten", "train", "train_loop", "api", "ddp", "horovod"):
         if rows.get(k):
             print(f"  {k:<17} {med[k]:7.2f} ms")
     for k, v in ratios.items():
         print(f"  {k:<22} {_spread(v)}")
+    print("  ratios of the medians: " + ", ".join(f"{k} {v:.3f}" for k, v in result["ratios_of_medians"].items()))
 
 
 if __name__ == "__main__":
