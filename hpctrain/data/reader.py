@@ -58,14 +58,16 @@ def planned_bytes(shardset: ShardSet, world: int) -> int:
     split's window buffers (one when the rank's part fits in one window, else up to `WINDOWS_IN_USE`), the
     validation split's (read without read-ahead: up to three), and the labels and ids of every shard the rank
     reads, which are loaded whole."""
-    row = int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize + 8 * (len(shardset.datasets()) - 1)
+    labels = 8 * (len(shardset.datasets()) - 1)  # int64 y and index per sample (token rows: index only)
+    row = int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize + labels
     _, window = _geometry(shardset)
     total = 0
     for split, most in (("train", WINDOWS_IN_USE), ("val", WINDOWS_IN_USE - 1)):
         if split not in shardset.splits:
             continue
         samples = max(sum(f.samples for f in shardset.rank_shards(split, r, world)) for r in range(world))
-        total += (min(samples, window) * (1 if samples <= window else most)) * row + 8 * (len(shardset.datasets()) - 1) * samples
+        buffers = 1 if samples <= window else most
+        total += buffers * min(samples, window) * row + labels * samples
     return total
 
 
