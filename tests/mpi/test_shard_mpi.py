@@ -49,3 +49,14 @@ def test_parallel_shard_bad_input_leaves_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.count("not found") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_bench_data_reads_every_sample_and_times_each_epochs_first_batch(tmp_path: Path, n: int) -> None:
+    data = tmp_path / "d"
+    hpctrain(["shard", "synthetic:1200:16:3", str(data), "--shards", "2", "--val-fraction", "0"])
+    got = json.loads(hpctrain(["bench", "data", str(data), "-n", str(n), "--epochs", "3", "--batch-size", "64",
+                               "--json"]).stdout.strip().splitlines()[-1])
+    assert got["world_size"] == n and got["samples"] == 1200 and got["sample_bytes"] == 16 * 4
+    assert len(got["first_batch_ms"]) == 3 and all(0 < v < 10_000 for v in got["first_batch_ms"])
+    assert got["reader_samples_per_s"] > 0 and got["raw_samples_per_s"] > 0
