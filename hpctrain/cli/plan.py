@@ -24,7 +24,8 @@ def plan(
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per row: a language model (gpt specs are one; "
                                                    "default 128 for them).", min=1)] = None,
     data: Annotated[Optional[Path], typer.Option(help="Sharded data (hpctrain shard): its sample shape, classes, "
-                                                 "vocabulary and seq_len instead of the defaults below.")] = None,
+                                                 "vocabulary and seq_len instead of the defaults below, and what "
+                                                 "its reader holds per rank in the peak.")] = None,
     input_dim: Annotated[int, typer.Option(help="Features per sample of a classifier (without --data).", min=1)] = 784,
     classes: Annotated[int, typer.Option(help="Classes of a classifier; a language model's vocabulary "
                                          "(without --data: 10, or 257 for a language model).", min=0)] = 0,
