@@ -240,9 +240,10 @@ def data(
     collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Reader throughput beside a raw contiguous h5py read of the same shards.
+    """Reader throughput beside a raw contiguous h5py read of the same shards, and each epoch's wait for its
+    first batch (what a training step waits at an epoch's start).
 
-    Example: hpctrain bench data data/ --json
+    Example: hpctrain bench data data/ -n 2 --epochs 6 --json
     """
     _relaunch(n)
     from ..tools.benchdata import bench_data

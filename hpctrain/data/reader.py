@@ -46,11 +46,10 @@ WINDOWS_IN_USE = 4  # the most window buffers a reading-ahead epoch holds at onc
 
 def _geometry(shardset: ShardSet, block_rows: int | None = None, window_rows: int | None = None) -> tuple[int, int]:
     """(rows of a block, rows of a shuffle window) of a reader of `shardset`."""
-    row_bytes = max(1, int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize)
     # blocks of about 2 MiB: large enough that h5py's per-read cost is small, small enough to shuffle well
-    block = block_rows or int(min(8192, max(64, (2 << 20) // row_bytes)))
+    block = block_rows or int(min(8192, max(64, (2 << 20) // shardset.row_bytes)))
     # a shuffle window holds up to 64 MiB of samples (at most 65,536 of them)
-    return block, max(window_rows or min(1 << 16, (64 << 20) // row_bytes), block)
+    return block, max(window_rows or min(1 << 16, (64 << 20) // shardset.row_bytes), block)
 
 
 def planned_bytes(shardset: ShardSet, world: int) -> int:
@@ -59,7 +58,7 @@ def planned_bytes(shardset: ShardSet, world: int) -> int:
     validation split's (read without read-ahead: up to three), and the labels and ids of every shard the rank
     reads, which are loaded whole."""
     labels = 8 * (len(shardset.datasets()) - 1)  # int64 y and index per sample (token rows: index only)
-    row = int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize + labels
+    row = shardset.row_bytes + labels
     _, window = _geometry(shardset)
     total = 0
     for split, most in (("train", WINDOWS_IN_USE), ("val", WINDOWS_IN_USE - 1)):
@@ -116,8 +115,8 @@ class ShardReader:
         self._datasets: dict[tuple[Path, str], Any] = {}
         self._pid = os.getpid()
         self._active: weakref.WeakSet[Any] = weakref.WeakSet()  # epochs being read (closed by close())
-        self._ring: list[dict[str, np.ndarray]] = []
-        self._ring_rows = 0
+        self._pool: list[dict[str, np.ndarray]] = []  # window buffers (`_window_buffers`)
+        self._pool_rows = 0
 
     def _exclusion(self, exclude: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
         """Keep masks of this rank's files and every rank's remaining sample count."""
@@ -258,13 +257,13 @@ class ShardReader:
         it) took 120-200 ms on the 2-core machine, reading it into used memory 12 ms (`hpctrain bench data`,
         `first_batch_ms`). The old ring of four allocated all four before reusing one, so a data set of one
         window per epoch paid that at each of its first four epochs and held four windows where one was used."""
-        if rows > self._ring_rows:
-            self._ring_rows, self._ring = rows, []  # larger windows: a fresh pool (the old one is dropped)
-        bufs = next((b for b in self._ring if _refs(b) <= _FREE_REFS), None)
+        if rows > self._pool_rows:
+            self._pool_rows, self._pool = rows, []  # larger windows: a fresh pool (the old one is dropped)
+        bufs = next((b for b in self._pool if _refs(b) <= _FREE_REFS), None)
         if bufs is None:
-            bufs = {"x": np.empty((self._ring_rows, *self.shardset.x_shape), np.dtype(self.shardset.x_dtype)),
-                    "y": np.empty(self._ring_rows, np.int64), "index": np.empty(self._ring_rows, np.int64)}
-            self._ring.append(bufs)
+            bufs = {"x": np.empty((self._pool_rows, *self.shardset.x_shape), np.dtype(self.shardset.x_dtype)),
+                    "y": np.empty(self._pool_rows, np.int64), "index": np.empty(self._pool_rows, np.int64)}
+            self._pool.append(bufs)
         return {name: b[:rows] for name, b in bufs.items()}
 
     def _stream(self, epoch: int, skip: int) -> Iterator[list[Any]]:
@@ -375,7 +374,7 @@ class ShardReader:
             except ValueError:  # running in another thread right now: it stops when that thread closes it
                 pass
         self._active.clear()
-        self._ring = []
+        self._pool = []
         self._datasets.clear()
         for handle in self._handles.values():
             handle.close()

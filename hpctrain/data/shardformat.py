@@ -84,6 +84,11 @@ class ShardSet:
         return ("x", "index") if self.task == "lm" else ("x", "y", "index")
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one sample's x as stored (at least 1)."""
+        return max(1, int(np.prod(self.x_shape)) * np.dtype(self.x_dtype).itemsize)
+
+    @property
     def fingerprint(self) -> str:
         """sha256 of the manifest's content: the identity of this dataset in checkpoints."""
         canonical = json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode()
@@ -268,8 +273,7 @@ def _row_slabs(path: Path, shardset: ShardSet) -> Any:
     import h5py
 
     chunk = int(shardset.manifest.get("chunk_rows", 1))
-    row_bytes = max(1, int(np.prod(shardset.x_shape)) * np.dtype(shardset.x_dtype).itemsize)
-    step = max(1, ROW_SLAB_BYTES // (row_bytes * chunk)) * chunk
+    step = max(1, ROW_SLAB_BYTES // (shardset.row_bytes * chunk)) * chunk
     with h5py.File(path, "r", locking=reader_locking()) as h5:
         x, index = h5["x"], h5["index"]
         for a in range(0, x.shape[0], step):

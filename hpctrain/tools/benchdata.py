@@ -29,9 +29,7 @@ def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2,
 
     shards = load_manifest(data)
     reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch_size, shuffle=shuffle)
-    row_bytes = int(np.prod(shards.x_shape)) * np.dtype(shards.x_dtype).itemsize
-
-    step = max(1, (64 << 20) // max(1, row_bytes))
+    row_bytes, step = shards.row_bytes, reader.window_rows  # the raw read's slices: the reader's windows
     raw_x = np.empty((step, *shards.x_shape), np.dtype(shards.x_dtype))  # reused, as the reader reuses its windows
     raw_x.fill(0)
 

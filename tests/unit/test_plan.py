@@ -84,7 +84,7 @@ def test_the_plan_counts_what_the_data_readers_hold(tmp_path) -> None:
         for epoch in range(3):
             for _ in reader.epoch(epoch):
                 pass
-        held += sum(a.nbytes for bufs in reader._ring for a in bufs.values())  # window buffers
+        held += sum(a.nbytes for bufs in reader._pool for a in bufs.values())  # window buffers
         held += sum(a.nbytes for a in reader._datasets.values() if isinstance(a, np.ndarray))  # labels and ids
         reader.close()
     assert planned_bytes(shardset, 2) == held  # equal shards: rank 0 holds what the largest rank does

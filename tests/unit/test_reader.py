@@ -150,7 +150,7 @@ def test_window_buffers_are_reused_once_free_never_while_a_batch_may_still_come_
     one = ShardReader(shardset, "train", rank=0, world=1, batch_size=64, seed=1)  # one window holds all 5003 rows
     for epoch in range(4):
         assert sorted(np.concatenate([b.index for b in one.epoch(epoch)])) == list(range(5003))
-    assert len(one._ring) == 1  # every epoch read into the first epoch's buffer (fresh memory costs more than a read)
+    assert len(one._pool) == 1  # every epoch read into the first epoch's buffer (fresh memory costs more than a read)
     one.close()
     many = ShardReader(shardset, "train", rank=0, world=1, batch_size=64, seed=1, block_rows=100, window_rows=700)
     for epoch in range(3):  # eight windows an epoch, read ahead while batches straddle two: none overwritten early
@@ -158,7 +158,7 @@ def test_window_buffers_are_reused_once_free_never_while_a_batch_may_still_come_
         assert sorted(np.concatenate([b.index for b in batches])) == list(range(5003))
         x = np.concatenate([b.x for b in batches])
         assert np.array_equal(x, shardset_x(bigger)[np.concatenate([b.index for b in batches])])
-    assert 2 <= len(many._ring) <= 5
+    assert 2 <= len(many._pool) <= 5
     many.close()
 
 
