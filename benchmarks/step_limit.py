@@ -157,8 +157,10 @@ def worker(kind: str, steps: int) -> None:
         out["median_raw_allreduce_ms"] = gather(statistics.median(times)) * 1e3
     if rank == 0:
         print(json.dumps(out), flush=True)
-    if kind == "ddp":  # gloo's threads joined before exit: without it a rank now and then ends in std::terminate
-        dist.destroy_process_group()  # (exit 134, "terminate called without an active exception")
+    if kind == "ddp":  # gloo's threads torn down at exit now and then end a rank in std::terminate (exit 134,
+        dist.barrier()  # "terminate called without an active exception", destroy_process_group() or not): both
+        sys.stdout.flush()  # ranks are done, so they leave without running C++ destructors
+        os._exit(0)
 
 
 def _mpirun(python: str, kind: str, steps: int) -> dict[str, float]:
