@@ -7,7 +7,7 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
   code), each timing every step, then one raw mpi4py `Allreduce` of all gradient bytes (added to the step
   where overlap cannot hide it: one core per rank). A loop's step is the mean of its steps on its slowest
   rank, since `train`'s wall-time difference is a mean too: its slow steps count, and so must the limit's
-  (the mean of a plain loop is 3-5 % above its median here). The limit of the medians is printed beside it;
+  (the mean of a plain loop is 3-8 % above its median here). The limit of the medians is printed beside it;
 - the loop a user writes by hand: the same plain step with one raw in-place `Allreduce` of each gradient
   between backward and the optimizer step (not the limit: it also pays the ranks' waits for each other's
   slowest step, every step, which the limit's separately timed loops leave out);
