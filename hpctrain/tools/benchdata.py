@@ -29,7 +29,9 @@ def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2,
 
     shards = load_manifest(data)
     reader = ShardReader(shards, "train", rank=comm.rank, world=comm.size, batch_size=batch_size, shuffle=shuffle)
-    row_bytes, step = shards.row_bytes, reader.window_rows  # the raw read's slices: the reader's windows
+    row_bytes = shards.row_bytes
+    # the raw read's slices: the reader's windows, no larger than the rank's largest file
+    step = max(1, min(reader.window_rows, max((f.samples for f in reader.files), default=1)))
     raw_x = np.empty((step, *shards.x_shape), np.dtype(shards.x_dtype))  # reused, as the reader reuses its windows
     raw_x.fill(0)
 
