@@ -29,12 +29,16 @@ def test_bench_train_json() -> None:
         assert r[key] > 0
     assert r["hpctrain"]["step_ms"] > 0 and r["ddp"]["step_ms"] > 0
     # the honest limit: a plain torch step on every rank at once plus one raw allreduce where overlap cannot
-    # hide it, judged round by round; hpctrain's step as its own world stays beside it
-    assert r["limit_comm_ms"] == (0.0 if r["overlap"] else r["raw_allreduce_ms"])
+    # hide it, timed in the step (the back-to-back one beside it), judged round by round; hpctrain's step as
+    # its own world stays beside it
+    assert not r["overlap"] and r["limit_comm_ms"] == r["raw_allreduce_in_step_ms"] > 0
+    assert r["raw_allreduce_in_step_rounds_ms"] == [r["raw_allreduce_in_step_ms"]]
     assert r["plain_torch_step_ms"] > 0
     assert r["limit_step_ms"] == pytest.approx(r["plain_torch_step_ms"] + r["limit_comm_ms"])
     assert len(r["step_over_limit_rounds"]) == 1 and r["step_over_limit"] == r["step_over_limit_rounds"][0]
     assert r["step_over_limit"] == pytest.approx(r["hpctrain"]["step_ms"] / r["limit_step_ms"])
+    assert r["step_over_limit_back_to_back"] == pytest.approx(
+        r["hpctrain"]["step_ms"] / (r["plain_torch_step_ms"] + r["raw_allreduce_ms"]))
     assert r["self_world_step_ms"] > 0 and "compute_only_step_ms" not in r
     assert r["self_world_over_plain"] == pytest.approx(r["self_world_step_ms"] / r["plain_torch_step_ms"])
     # the loop a user writes by hand (plain torch, one raw allreduce per gradient), timed in the same rounds
@@ -91,3 +95,33 @@ def test_overlap_is_on_by_default_on_a_gpu_only() -> None:
     from hpctrain.control.step import auto_overlap
 
     assert auto_overlap("cpu") is False and auto_overlap("cuda") is True
+
+
+def test_the_limit_of_each_round_adds_that_rounds_allreduce_timed_in_the_step() -> None:
+    from types import SimpleNamespace
+
+    from hpctrain.tools.benchlimit import limit_figures
+
+    # seconds per round: hpctrain, the plain step, the allreduce timed in the step; back to back 3.0 ms
+    in_step = SimpleNamespace(rounds=[0.005, 0.006, 0.004])  # what InStepAllreduce kept, one figure per round
+    r = limit_figures([0.036, 0.034, 0.040], [0.030, 0.029, 0.033], in_step, 3.0, overlap=False,
+                      hand_rounds=[0.037, 0.035, 0.041])
+    assert r["step_over_limit_rounds"] == pytest.approx([36 / 35, 34 / 35, 40 / 37])
+    assert r["step_over_limit"] == pytest.approx(36 / 35)
+    assert r["limit_comm_ms"] == r["raw_allreduce_in_step_ms"] == pytest.approx(5.0)
+    assert r["limit_step_ms"] == pytest.approx(30.0 + 5.0)
+    assert r["step_over_limit_back_to_back"] == pytest.approx(36 / 33)  # median of 36/33, 34/32, 40/36
+    assert r["raw_allreduce_ms"] == 3.0
+    assert r["handwritten_over_limit"] == pytest.approx(37 / 35)
+    # where overlap hides communication the limit is the plain step alone, and no allreduce figure is made up
+    r = limit_figures([0.036], [0.030], None, None, overlap=True)
+    assert r["limit_comm_ms"] == 0.0 and r["step_over_limit"] == pytest.approx(36 / 30)
+    assert "raw_allreduce_in_step_ms" not in r and "step_over_limit_back_to_back" not in r
+
+
+@pytest.mark.mpi
+def test_bench_train_prints_the_limit_and_stage_0_beside_a_sharded_step() -> None:
+    proc = hpctrain(["bench", "train", "-n", "2", "--model", "mlp:64", "--input-dim", "32", "--steps", "3",
+                     "--rounds", "1", "--zero", "1"], timeout=180)
+    assert "plus one raw allreduce in the step:" in proc.stdout, proc.stdout
+    assert "with the allreduce timed back to back instead" in proc.stdout and "stage 0 step" in proc.stdout
