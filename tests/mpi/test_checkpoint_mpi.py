@@ -24,10 +24,17 @@ ARGS = ["--model", "mlp:256,256:dropout=0.2", "--optimizer", "adam", "--lr", "0.
         "--epochs", "6", "--log-every", "1", "--seed", "7"]
 
 
+# Runs that a test signals or kills mid-training are paced: rank 0 sleeps 10 ms before each step (the test hook
+# of base/rankenv.py; sleeping changes no number), so a signal sent at step 100 lands with seconds of training
+# left. Unpaced, the 440 steps after step 100 take well under a second on an idle machine, and CI once saw the
+# run end (exit 0) before the SIGTERM sent at step 100 arrived.
+PACED = "0:0.01"
+
+
 def launch(data: Path, run: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--", "train", "--data", str(data),
-                             "--run-dir", str(run), *ARGS, *extra], env=mpi_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--run-dir", str(run), *ARGS, *extra], env=mpi_env(HPCTRAIN_TEST_STRAGGLER=PACED),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
