@@ -9,9 +9,10 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
   optimizer step of the same plain step, on one buffer the fresh gradients were copied into, after a barrier
   (neither timed), in a process of its own with hpctrain's allocator settings (the faster for it here).
   Timed back to back it runs from warm caches (2.6-2.9 ms against 4.6-5.2 ms in the step for the reference
-  MLP's 23.3 MB here: `benchmarks/allreduce_in_step.py`); that limit is printed beside (`limit_back_to_back`). A loop's step is the mean of its steps on its slowest
-  rank, since `train`'s wall-time difference is a mean too: its slow steps count, and so must the limit's
-  (the mean of a plain loop is 3-8 % above its median here). The limit of the medians is printed beside it;
+  MLP's 23.3 MB here: `benchmarks/allreduce_in_step.py`); that limit is printed beside (`limit_back_to_back`).
+  A loop's step is the mean of its steps on its slowest rank, since `train`'s wall-time difference is a mean
+  too: its slow steps count, and so must the limit's (the mean of a plain loop is 3-8 % above its median
+  here). The limit of the medians is printed beside it;
 - the loop a user writes by hand: the same plain step with one raw in-place `Allreduce` of each gradient
   between backward and the optimizer step (not the limit: it also pays the ranks' waits for each other's
   slowest step, every step, which the limit's separately timed loops leave out);
@@ -172,8 +173,8 @@ def allreduce_worker(steps: int) -> None:
     bytes between backward and the optimizer step, on one numpy buffer the fresh gradients were copied into
     (untimed), after a barrier (untimed: no rank's wait for another is in it). Run with hpctrain's allocator
     settings as environment variables (`_mpirun`'s `TUNED`): in a process with glibc's defaults it took
-    9.1-9.4 ms against 5.2 ms, and the limit takes the faster. Rank 0 prints {"raw_allreduce_ms": the slowest rank's
-    mean, "median_raw_allreduce_ms": its median} as JSON."""
+    9.1-9.4 ms against 5.2 ms, and the limit takes the faster. Rank 0 prints {"raw_allreduce_ms": the slowest
+    rank's mean, "median_raw_allreduce_ms": its median} as JSON."""
     import numpy as np
     import torch
     from mpi4py import MPI
