@@ -97,13 +97,13 @@ class InStepAllreduce:
     def __call__(self, params: list[Any]) -> None:
         import torch
 
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.flat is None:
-            self.flat = np.zeros(sum(g.numel() for g in grads), np.float32)  # numpy: as the back-to-back figure's
+        if self.flat is None:  # every parameter's bytes, as the back-to-back figure's (numpy too)
+            self.flat = np.zeros(sum(p.numel() for p in params), np.float32)
         host, at = torch.from_numpy(self.flat), 0
-        for g in grads:
-            host[at:at + g.numel()].copy_(g.reshape(-1))
-            at += g.numel()
+        for p in params:  # a parameter without a gradient this step keeps its slot
+            if p.grad is not None:
+                host[at:at + p.numel()].copy_(p.grad.reshape(-1))
+            at += p.numel()
         self.comm.barrier()
         t0 = time.perf_counter()
         self.comm.allreduce_inplace(self.flat)
