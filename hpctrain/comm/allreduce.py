@@ -22,10 +22,14 @@ class WholeGradients(Strategy):
         self.engine = engine
 
     def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
-        """Buckets of at most `bucket_mb` MiB; a large gradient, and each parameter of `alone`, a bucket alone."""
+        """Buckets of at most `bucket_mb` MiB; a large gradient, and each parameter of `alone`, a bucket alone.
+        Without overlap every bucket is summed in wait(), after backward: the small gradients are then packed
+        together wherever they are in the model (one collective for a model's biases, not one between every
+        two large layers); a compressor keeps the runs of backward order (its state is per bucket)."""
         e = self.engine
+        adjacent = e.overlap or e.compressor is not None
         return [owned_bucket(i, group, e.dtype, e.device)
-                for i, group in enumerate(assign_buckets(ordered, bucket_mb, e.OWN_BYTES, alone))]
+                for i, group in enumerate(assign_buckets(ordered, bucket_mb, e.OWN_BYTES, alone, adjacent=adjacent))]
 
     # -- after backward --------------------------------------------------------------------------------
     def reduce(self, bucket: Bucket) -> None:

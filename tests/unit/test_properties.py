@@ -332,12 +332,14 @@ params_spec = st.lists(
        own_bytes=st.sampled_from([1 << 18, 64, 8]))
 def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: list[int], bucket_mb: float,
                           dtype: str, own_bytes: int) -> None:
-    """Buckets hold every trainable parameter once, in backward order; a large gradient is a bucket alone and
-    is reduced from its own memory, runs of small ones are packed into one flat buffer (their .grads then its
-    views); gradients a parameter had are kept; zero() drops them, as torch's zero_grad() does."""
+    """Buckets hold every trainable parameter once; a large gradient is a bucket alone and is reduced from its
+    own memory, small ones are packed into one flat buffer (their .grads then its views): in runs of backward
+    order with overlap, across the large ones without; gradients a parameter had are kept; zero() drops them, as
+    torch's zero_grad() does."""
     import torch
 
     from hpctrain.comm import Comm, GradSync
+    from hpctrain.comm.buckets import assign_buckets
     from hpctrain.base.errors import ConfigError
 
     class Sync(GradSync):
@@ -363,18 +365,32 @@ def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: 
         element = trainable[0].element_size()
         limit = bucket_mb * 2**20  # bytes
         alone = min(max(1, int(limit) // element), max(1, own_bytes // element))  # elements
+        backward = trainable[::-1]  # reverse registration
         order = [p for b in sync.buckets for p in b.params]
-        # every trainable parameter in exactly one bucket, in backward order (reverse registration)
-        assert [id(p) for p in order] == [id(p) for p in trainable[::-1]]
+        # every trainable parameter in exactly one bucket; each bucket at its first parameter's place in backward order
+        assert sorted(id(p) for p in order) == sorted(id(p) for p in backward)
+        firsts = {id(b.params[0]) for b in sync.buckets}
+        assert [id(b.params[0]) for b in sync.buckets] == [id(p) for p in backward if id(p) in firsts]
         sizes = [sum(p.numel() for p in b.params) for b in sync.buckets]
         for i, b in enumerate(sync.buckets):
             assert b.index == i and b.params and b.own == (len(b.params) == 1)
             if not b.own:
                 assert b.flat.numel() == sizes[i] and b.flat.is_contiguous() and b.flat.dtype == torch_dtype
                 assert sizes[i] * element <= limit and all(p.numel() < alone for p in b.params), (sizes[i], limit)
-            if i + 1 < len(sync.buckets):  # cut: the next parameter did not fit, or one of the two is alone
-                nxt = sync.buckets[i + 1].params[0].numel()
-                assert ((sizes[i] + nxt) * element > limit or nxt >= alone or b.params[-1].numel() >= alone)
+        # without overlap (a world of one has none) every bucket is summed after backward: the small gradients are
+        # packed in backward order as if the large ones were not between them, cut only where the next did not fit
+        packed = [b for b in sync.buckets if b.params[0].numel() < alone]
+        assert [id(p) for b in packed for p in b.params] == [id(p) for p in backward if p.numel() < alone]
+        for b, nxt in zip(packed, packed[1:]):
+            assert (sum(p.numel() for p in b.params) + nxt.params[0].numel()) * element > limit
+        # with overlap (assign_buckets' adjacent runs): in backward order, cut where the next parameter did not fit
+        # or one of the two is alone
+        runs = assign_buckets(backward, bucket_mb, own_bytes, adjacent=True)
+        assert [id(p) for run in runs for p in run] == [id(p) for p in backward]
+        for run, nxt in zip(runs, runs[1:]):
+            size = sum(p.numel() for p in run)
+            assert (size * element <= limit or len(run) == 1) and all(p.numel() < alone for p in run[1:])
+            assert (size + nxt[0].numel()) * element > limit or nxt[0].numel() >= alone or run[-1].numel() >= alone
         for p in params:  # nothing is touched before the first step: a gradient that existed is the same
             if before[id(p)] is None:
                 assert p.grad is None
