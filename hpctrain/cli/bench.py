@@ -269,4 +269,6 @@ def data(
     print(f"  raw contiguous h5py  {result['raw_samples_per_s']:12.0f} samples/s  {result['raw_mb_per_s']:8.1f} MB/s")
     print(f"  hpctrain reader      {result['reader_samples_per_s']:12.0f} samples/s  {result['reader_mb_per_s']:8.1f} MB/s"
           f"  ({result['reader_over_raw']:.2f}x raw)")
+    if result["held"]:
+        print("  (one window holds each rank's split: read at the first epoch, held in memory after it)")
     print("  first batch of each epoch " + ", ".join(f"{v:.1f}" for v in result["first_batch_ms"]) + " ms")

@@ -117,6 +117,7 @@ class ShardReader:
         self._active: weakref.WeakSet[Any] = weakref.WeakSet()  # epochs being read (closed by close())
         self._pool: list[dict[str, np.ndarray]] = []  # window buffers (`_window_buffers`)
         self._pool_rows = 0
+        self._held: tuple[list[tuple[int, int, int]], tuple[np.ndarray, ...]] | None = None  # `_whole`
 
     def _exclusion(self, exclude: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
         """Keep masks of this rank's files and every rank's remaining sample count."""
@@ -269,20 +270,46 @@ class ShardReader:
     def _stream(self, epoch: int, skip: int) -> Iterator[list[Any]]:
         """Windows [x, y, index, order, cursor] in stream order; `order` is the in-window permutation (None:
         file order); the first `skip` samples of the epoch are skipped without reading them."""
-        for blocks, wseed in self._windows(epoch):
+        windows = self._windows(epoch)
+        for blocks, wseed in windows:
             kept = self._kept(blocks)
             rows = sum(b[2] - b[1] for b in blocks) if kept is None else int(kept.sum())
             if skip >= rows:
                 skip -= rows
                 continue
-            x, y, ix = self._read(blocks)
-            if kept is not None:
-                x, y, ix = x[kept], y[kept], ix[kept]
+            where = None
+            if kept is None and len(windows) == 1:
+                (x, y, ix), where = self._whole(blocks)
+            else:
+                x, y, ix = self._read(blocks)
+                if kept is not None:
+                    x, y, ix = x[kept], y[kept], ix[kept]
             order = None
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch, self.rank, self.world, 1, wseed, *self._salt]).permutation(rows)
-            yield [x, y, ix, order, skip]
+            yield [x, y, ix, order, skip, where]
             skip = 0
+
+    @property
+    def held(self) -> bool:
+        """Whether the rank's whole split is held in memory (one window holds it, and an epoch has read it)."""
+        return self._held is not None
+
+    def _whole(self, blocks: list[tuple[int, int, int]]) -> tuple[tuple[np.ndarray, ...], np.ndarray | None]:
+        """The rank's whole split when one window holds it: read once, at the first epoch that asks, and held.
+        Another epoch's window holds the same blocks in another order, so re-reading it bought nothing (40 MB
+        for the reference data, most of the 25-35 ms its first batch of every epoch waited). Returns the rows
+        as held and `where`: the position there of each row of this window in `blocks`' order (None: the
+        same order), so that every batch is the one a fresh read gives, row for row."""
+        if self._held is None:
+            self._held = (list(blocks), self._read(blocks))
+        held, arrays = self._held
+        if held == blocks:
+            return arrays, None
+        at, offset = {}, 0
+        for i, start, stop in held:
+            at[i, start], offset = offset, offset + stop - start
+        return arrays, np.concatenate([np.arange(at[i, start], at[i, start] + stop - start) for i, start, stop in blocks])
 
     def _batches(self, epoch: int, start_step: int) -> Iterator[Batch]:
         B = self.batch_size
@@ -308,14 +335,16 @@ class ShardReader:
                 if not pending:
                     pending.append(next(stream))
                 window = pending[0]
-                x, y, ix, order, cursor = window
+                x, y, ix, order, cursor, where = window
                 take = min(want - got, len(x) - cursor)
                 # one copy per batch (a slice in file order, a gather when shuffled): window buffers are reused
-                if order is None:
+                if order is None and where is None:
                     sel: Any = slice(cursor, cursor + take)
                     pieces.append((x[sel].copy(), y[sel].copy(), ix[sel].copy()))
-                else:
-                    sel = np.sort(order[cursor:cursor + take])  # ascending rows: a faster gather, same batch
+                else:  # ascending rows of the window: a faster gather, same batch
+                    sel = np.arange(cursor, cursor + take) if order is None else np.sort(order[cursor:cursor + take])
+                    if where is not None:  # the held rows (`_whole`)
+                        sel = where[sel]
                     pieces.append((x[sel], y[sel], ix[sel]))
                 got += take
                 window[4] = cursor + take

@@ -19,7 +19,8 @@ def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2,
     buffer (fresh memory for every slice cost more than the read on the 2-core machine). The reader
     adds block shuffling, batching, normalization and the prefetch thread. `first_batch_ms` is each epoch's
     wait for its first batch (the slowest rank's): what a training step waits at an epoch's start, when the
-    first window is read with nothing to overlap it.
+    first window is read with nothing to overlap it. `held`: every rank's split fits one window, so the reader
+    read it at the first epoch only and gathers later epochs from memory (`ShardReader.held`).
     """
     import h5py
 
@@ -67,6 +68,7 @@ def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2,
         t0 = time.perf_counter()
         read_reader(e)
         reader_t.append(time.perf_counter() - t0)
+    held = bool(comm.allreduce_array([reader.held], op="min")[0])
     reader.close()
     raw_s = float(comm.allreduce_array([statistics.median(raw_t)], op="max")[0])
     rd_s = float(comm.allreduce_array([statistics.median(reader_t)], op="max")[0])
@@ -74,5 +76,5 @@ def bench_data(comm: Comm, data: str, *, batch_size: int = 256, epochs: int = 2,
     return {"world_size": comm.size, "samples": int(total), "sample_bytes": row_bytes, "batch_size": batch_size,
             "shuffle": shuffle, "raw_samples_per_s": total / raw_s, "reader_samples_per_s": total / rd_s,
             "raw_mb_per_s": total * row_bytes / raw_s / 1e6, "reader_mb_per_s": total * row_bytes / rd_s / 1e6,
-            "reader_over_raw": raw_s / rd_s,
+            "reader_over_raw": raw_s / rd_s, "held": held,
             "first_batch_ms": [float(v) * 1e3 for v in comm.allreduce_array(first, op="max")]}

@@ -60,3 +60,4 @@ def test_bench_data_reads_every_sample_and_times_each_epochs_first_batch(tmp_pat
     assert got["world_size"] == n and got["samples"] == 1200 and got["sample_bytes"] == 16 * 4
     assert len(got["first_batch_ms"]) == 3 and all(0 < v < 10_000 for v in got["first_batch_ms"])
     assert got["reader_samples_per_s"] > 0 and got["raw_samples_per_s"] > 0
+    assert got["held"] is True  # 600 rows of 64 bytes a rank: one window, read once and held

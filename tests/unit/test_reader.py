@@ -162,6 +162,28 @@ def test_window_buffers_are_reused_once_free_never_while_a_batch_may_still_come_
     many.close()
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_split_one_window_holds_is_read_once_and_every_epoch_gives_a_fresh_reads_batches(bigger: Path,
+                                                                                           shuffle: bool) -> None:
+    """When one window holds the rank's whole split, later epochs gather from the rows read at the first (held)
+    instead of re-reading them in another block order; every batch is still the one a fresh read gives, row for row
+    (the sums of a step, and so exact resume, depend on the order inside a batch)."""
+    shardset = load_manifest(bigger)
+    kw = dict(rank=1, world=2, batch_size=48, seed=5, shuffle=shuffle, block_rows=100)  # 26 blocks, one window
+    held = ShardReader(shardset, "train", **kw)
+    reads = []
+    read = held._read
+    held._read = lambda blocks, **k: reads.append(len(blocks)) or read(blocks, **k)
+    for epoch, start in ((0, 0), (1, 0), (2, 5), (3, 0)):
+        fresh = ShardReader(shardset, "train", **kw)
+        for a, b in zip(held.epoch(epoch, start), fresh.epoch(epoch, start), strict=True):
+            for name in ("index", "x", "y"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        fresh.close()
+    assert reads == [26]  # the first epoch read the rank's 26 blocks; no epoch after it read again
+    held.close()
+
+
 def shardset_x(data: Path) -> np.ndarray:
     """Every sample's features by global id, read straight from the shard files (normalized as the reader does)."""
     import h5py
