@@ -2,7 +2,8 @@
 """The step against the honest limit, DDP and Horovod, in one run (issue 25).
 
 Reference workload: MLP 784-2048-2048-10, batch 64 per rank, 2 ranks, SGD (momentum 0.9, lr 0.01, the
-fused kernel `train` builds), one torch thread per core a rank owns. Every round runs, one after another:
+fused kernel `train` builds), one torch thread per core a rank owns. Every round runs the limit and
+`train` side by side, in turns first (the machine's speed drifts over minutes), then the other loops:
 - the honest limit: two plain torch processes at once (`zero_grad(); loss.backward(); step()`, no hpctrain
   code), each timing every step, then one raw mpi4py `Allreduce` of all gradient bytes (added to the step
   where overlap cannot hide it: one core per rank), timed where a step has it: between backward and the
@@ -259,23 +260,37 @@ def main() -> None:
         data = Path(tmp) / "data"
         subprocess.run([sys.executable, "-m", "hpctrain", "shard", f"synthetic:{RANKS * BATCH * 200}:{FEATURES}:{CLASSES}",
                         str(data), "--shards", str(RANKS), "--val-fraction", "0"], check=True, capture_output=True)
-        for r in range(args.rounds):
-            for kind in kinds:
-                got = _mpirun(args.horovod_python if kind == "horovod" else sys.executable, kind, args.steps)
-                rows[kind].append(got["step_ms"])
-                if kind == "plain":
-                    # `train` on CPUs does not overlap communication with backward (`auto_overlap`): the
-                    # allreduce adds to the step, whatever the cores
-                    ar = _mpirun(sys.executable, "allreduce", min(args.steps, 100))
-                    rows["raw_allreduce"].append(ar["raw_allreduce_ms"])
-                    rows["raw_allreduce_back_to_back"].append(got["raw_allreduce_back_to_back_ms"])
-                    rows["limit_back_to_back"].append(got["step_ms"] + got["raw_allreduce_back_to_back_ms"])
-                    rows["limit"].append(got["step_ms"] + ar["raw_allreduce_ms"])
-                    rows["limit_of_medians"].append(got["median_step_ms"] + ar["median_raw_allreduce_ms"])
+        def limit() -> None:
+            got = _mpirun(sys.executable, "plain", args.steps)
+            rows["plain"].append(got["step_ms"])
+            # `train` on CPUs does not overlap communication with backward (`auto_overlap`): the allreduce adds
+            # to the step, whatever the cores
+            ar = _mpirun(sys.executable, "allreduce", min(args.steps, 100))
+            rows["raw_allreduce"].append(ar["raw_allreduce_ms"])
+            rows["raw_allreduce_back_to_back"].append(got["raw_allreduce_back_to_back_ms"])
+            rows["limit_back_to_back"].append(got["step_ms"] + got["raw_allreduce_back_to_back_ms"])
+            rows["limit"].append(got["step_ms"] + ar["raw_allreduce_ms"])
+            rows["limit_of_medians"].append(got["median_step_ms"] + ar["median_raw_allreduce_ms"])
+
+        def train(r: int) -> None:
             long_s = _train_s(data, Path(tmp) / f"long{r}", args.long)
             short_s = _train_s(data, Path(tmp) / f"short{r}", 40)
             rows["train"].append((long_s[0] - short_s[0]) / (args.long - 40) * 1e3)
             rows["train_loop"].append((long_s[1] - short_s[1]) / (args.long - 40) * 1e3)
+
+        for r in range(args.rounds):
+            # the limit and `train` side by side, in turns first (the machine's speed drifts over minutes here:
+            # with the other loops between them, one round's ratio ranged 0.96-1.11 in a run whose medians were
+            # 1.05 apart), then the other loops
+            if r % 2 == 0:
+                limit()
+                train(r)
+            else:
+                train(r)
+                limit()
+            for kind in kinds[1:]:
+                got = _mpirun(args.horovod_python if kind == "horovod" else sys.executable, kind, args.steps)
+                rows[kind].append(got["step_ms"])
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()),
                   file=sys.stderr, flush=True)
     result: dict[str, object] = {"rounds": args.rounds, "step_ms": {k: statistics.median(v) for k, v in rows.items()},
