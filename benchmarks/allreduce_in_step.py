@@ -9,7 +9,10 @@ Run under mpirun, 2 ranks (one torch thread each), the reference MLP's gradient 
   streams about five times the model's bytes);
 - `in the step`: a plain torch step of the reference MLP (`zero_grad(); backward()`, then the fresh gradients
   copied into the buffer, a barrier, the timed Allreduce, then the optimizer step), and a second and third
-  Allreduce of the buffer right after the first (how far from back to back the first one is).
+  Allreduce of the buffer right after the first (how far from back to back the first one is);
+- `buckets, backward / forward order`: the same step with the gradients summed as hpctrain's buckets are
+  without overlap (each large gradient in its own memory, the small ones packed into one), in backward order
+  or in forward order, the gradient backward wrote last first (why `allreduce.WholeGradients` sums them so).
 Every figure is the slowest rank's median in milliseconds.
 
     mpirun -n 2 python benchmarks/allreduce_in_step.py [--iters 40] [--json]
@@ -71,6 +74,24 @@ def main() -> None:
         torch.cat([p.grad.reshape(-1) for p in params], out=flat)
         for which in ("in the step", "in the step, the second", "in the step, the third"):
             keep(which, _timed(comm, buf))
+        opt.step()
+    # hpctrain's buckets without overlap: the two large gradients alone, the small ones packed into one; summed
+    # in backward order (the small ones' bucket first, as backward meets its first gradient) or in forward order
+    # (the first layer's gradient, which backward wrote last, first), alternating step by step
+    small = [p for p in params if p.numel() * 4 < 1 << 18]
+    packed = np.zeros(sum(p.numel() for p in small), np.float32)
+    large = [p for p in params if p.numel() * 4 >= 1 << 18]  # forward order: W1, W2
+    for i in range(2 * (args.iters + 3)):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        torch.cat([p.grad.reshape(-1) for p in small], out=torch.from_numpy(packed))
+        which = ("buckets, backward order", [packed, *(p.grad.numpy() for p in large[::-1])]) if i % 2 else (
+            "buckets, forward order", [*(p.grad.numpy() for p in large), packed])
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for b in which[1]:
+            comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM)
+        keep(which[0], time.perf_counter() - t0)
         opt.step()
     ms = {k: float(comm.allreduce(statistics.median(v[3:]), op=MPI.MAX)) * 1e3 for k, v in times.items()}
     if comm.rank:

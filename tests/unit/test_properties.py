@@ -367,10 +367,11 @@ def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: 
         alone = min(max(1, int(limit) // element), max(1, own_bytes // element))  # elements
         backward = trainable[::-1]  # reverse registration
         order = [p for b in sync.buckets for p in b.params]
-        # every trainable parameter in exactly one bucket; each bucket at its first parameter's place in backward order
+        # every trainable parameter in exactly one bucket; without overlap (a world of one has none) the buckets are
+        # summed after backward, in forward order: each at its first parameter's place in backward order, reversed
         assert sorted(id(p) for p in order) == sorted(id(p) for p in backward)
         firsts = {id(b.params[0]) for b in sync.buckets}
-        assert [id(b.params[0]) for b in sync.buckets] == [id(p) for p in backward if id(p) in firsts]
+        assert [id(b.params[0]) for b in sync.buckets][::-1] == [id(p) for p in backward if id(p) in firsts]
         sizes = [sum(p.numel() for p in b.params) for b in sync.buckets]
         for i, b in enumerate(sync.buckets):
             assert b.index == i and b.params and b.own == (len(b.params) == 1)
@@ -379,7 +380,7 @@ def test_gradsync_buckets(spec: list[tuple[tuple[int, ...], bool, bool]], tied: 
                 assert sizes[i] * element <= limit and all(p.numel() < alone for p in b.params), (sizes[i], limit)
         # without overlap (a world of one has none) every bucket is summed after backward: the small gradients are
         # packed in backward order as if the large ones were not between them, cut only where the next did not fit
-        packed = [b for b in sync.buckets if b.params[0].numel() < alone]
+        packed = [b for b in sync.buckets[::-1] if b.params[0].numel() < alone]
         assert [id(p) for b in packed for p in b.params] == [id(p) for p in backward if p.numel() < alone]
         for b, nxt in zip(packed, packed[1:]):
             assert (sum(p.numel() for p in b.params) + nxt.params[0].numel()) * element > limit
