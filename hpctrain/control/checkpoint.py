@@ -281,9 +281,9 @@ class CheckpointManager:
     def agree(self, step: int, *, stop_requested: bool = False) -> None:
         """Take the agreement of `save(step)` now (collective): the trainer calls it inside the step, right after
         the gradient sum, where the ranks are in step, so that it costs one small allreduce's latency. At the
-        step boundary, after the optimizer step, the same allreduce also waited for the slowest rank's
-        optimizer step: a second sync point per step, 0.4 ms of a 30 ms step of the reference MLP here. A stop
-        signal that comes after it is seen at the next step's agreement."""
+        step boundary, after the optimizer step, the same allreduce also waited for the slower rank's
+        optimizer step: 0.15 ms a step of the reference MLP's 30 ms here, against 0.06-0.08 ms inside the step.
+        A stop signal that comes after it is seen at the next step's agreement."""
         self._agreed = (step, self._agreement(step, stop_requested))
 
     def _agreement(self, step: int, stop_requested: bool) -> Any:

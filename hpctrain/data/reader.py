@@ -268,8 +268,9 @@ class ShardReader:
         return {name: b[:rows] for name, b in bufs.items()}
 
     def _stream(self, epoch: int, skip: int) -> Iterator[list[Any]]:
-        """Windows [x, y, index, order, cursor] in stream order; `order` is the in-window permutation (None:
-        file order); the first `skip` samples of the epoch are skipped without reading them."""
+        """Windows [x, y, index, order, cursor, where] in stream order; `order` is the in-window permutation
+        (None: file order); `where` maps the window's rows to the held rows (`_whole`; None: they are the same);
+        the first `skip` samples of the epoch are skipped without reading them."""
         windows = self._windows(epoch)
         for blocks, wseed in windows:
             kept = self._kept(blocks)
