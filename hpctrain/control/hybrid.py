@@ -21,7 +21,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -86,14 +86,11 @@ class Parallel:
 
     def step(self, model: Any, sync: Any, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray, global_n: int,
              *, clip_grad: float = 0.0, device: Any = "cpu", accumulate: int = 1, precision: str = "fp32",
-             scaler: LossScaler | None = None, step: int = 0, phases: dict[str, float] | None = None,
-             on_summed: Callable[[], None] | None = None) -> float:
-        """One optimizer step (see the module docstring); this rank's reported summed loss. `on_summed`: as
-        `step.train_step`'s, on every rank of the world."""
+             scaler: LossScaler | None = None, step: int = 0, phases: dict[str, float] | None = None) -> float:
+        """One optimizer step (see the module docstring); this rank's reported summed loss."""
         if self.pipeline is None:
             return train_step(model, sync, optimizer, loss_fn, x, y, global_n, clip_grad=clip_grad, device=device,
-                              accumulate=accumulate, precision=precision, scaler=scaler, phases=phases,
-                              on_summed=on_summed)
+                              accumulate=accumulate, precision=precision, scaler=scaler, phases=phases)
         sync.zero()
         scale = scaler.scale if scaler is not None else 1.0
         sync.loss_scale = scaler.scale if scaler is not None else None
@@ -106,8 +103,6 @@ class Parallel:
         sync.wait()
         for param in self.tied:  # the embedding's gradient on the first stage plus the head's on the last
             allreduce_(self.groups.tie, sync.reduced(param), label="tied gradient sum")
-        if on_summed is not None:
-            on_summed()
         t1 = time.perf_counter()
         stepped = scaler is None or scaler.unscale(sync.grad_tensors(), self.world)
         if stepped:

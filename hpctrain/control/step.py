@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def auto_overlap(device_type: str) -> bool:
 def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray,
                global_n: int, *, clip_grad: float = 0.0, device: Any = "cpu", accumulate: int = 1,
                precision: str = "fp32", scaler: LossScaler | None = None,
-               phases: dict[str, float] | None = None, on_summed: Callable[[], None] | None = None) -> float:
+               phases: dict[str, float] | None = None) -> float:
     """One data-parallel step; returns this rank's summed loss.
 
     The loss is this rank's sum of per-target losses (one per sample; one per token of a token row) divided
@@ -70,9 +70,7 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     the last one's backward starts the allreduce. `precision` autocasts forward and backward; with a
     `scaler` (fp16) the loss is scaled, and a step that any rank finds inf/NaN in is skipped on every rank.
     `phases`, when given, accumulates seconds per phase: zero, forward, backward, hooks (inside backward),
-    wait, optimizer (what `hpctrain bench train` breaks a step into). `on_summed`, when given, runs on every
-    rank once the gradients are summed, before the optimizer step, where the ranks are in step (the
-    trainer's stop/checkpoint agreement, a collective: counted in `wait`).
+    wait, optimizer (what `hpctrain bench train` breaks a step into).
     """
     import torch
 
@@ -103,8 +101,6 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
         clock.lap("backward")
     sync.enabled = True
     sync.wait()
-    if on_summed is not None:
-        on_summed()
     clock.lap("wait")
     if scaler is not None and not scaler.unscale(sync.grad_tensors(), sync.comm):
         clock.done()
