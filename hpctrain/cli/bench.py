@@ -246,7 +246,8 @@ def data(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Reader throughput beside a raw contiguous h5py read of the same shards, and each epoch's wait for its
-    first batch (what a training step waits at an epoch's start).
+    first batch (what a training step waits at an epoch's start). A rank's split that one 64 MiB window holds
+    is read at the first epoch only and held: later epochs gather from memory (the output says so).
 
     Example: hpctrain bench data data/ -n 2 --epochs 6 --json
     """

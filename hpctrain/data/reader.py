@@ -117,7 +117,8 @@ class ShardReader:
         self._active: weakref.WeakSet[Any] = weakref.WeakSet()  # epochs being read (closed by close())
         self._pool: list[dict[str, np.ndarray]] = []  # window buffers (`_window_buffers`)
         self._pool_rows = 0
-        self._held: tuple[list[tuple[int, int, int]], tuple[np.ndarray, ...]] | None = None  # `_whole`
+        # `_whole`: the held blocks in the order read, each block's first row there, and the rows
+        self._held: tuple[list[tuple[int, int, int]], dict[tuple[int, int], int], tuple[np.ndarray, ...]] | None = None
 
     def _exclusion(self, exclude: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
         """Keep masks of this rank's files and every rank's remaining sample count."""
@@ -303,14 +304,14 @@ class ShardReader:
         as held and `where`: the position there of each row of this window in `blocks`' order (None: the
         same order), so that every batch is the one a fresh read gives, row for row."""
         if self._held is None:
-            self._held = (list(blocks), self._read(blocks))
-        held, arrays = self._held
+            firsts = np.cumsum([0] + [stop - start for _, start, stop in blocks[:-1]])
+            self._held = (list(blocks), {(i, start): int(f) for (i, start, _), f in zip(blocks, firsts)},
+                          self._read(blocks))
+        held, at, arrays = self._held
         if held == blocks:
             return arrays, None
-        at, offset = {}, 0
-        for i, start, stop in held:
-            at[i, start], offset = offset, offset + stop - start
-        return arrays, np.concatenate([np.arange(at[i, start], at[i, start] + stop - start) for i, start, stop in blocks])
+        return arrays, np.concatenate([np.arange(at[i, start], at[i, start] + stop - start)
+                                       for i, start, stop in blocks])
 
     def _batches(self, epoch: int, start_step: int) -> Iterator[Batch]:
         B = self.batch_size
