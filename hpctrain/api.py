@@ -39,6 +39,7 @@ import torch
 from .control import checkpoint as ckpt
 from .control import ckptstate, rngstate
 from .control.ckptload import open_checkpoint
+from .control.step import in_kernel_mean, step_dividing
 from .control.tracing import Timeline
 from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
 from .data import staging
@@ -167,6 +168,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.world_size = ctx.world_size
         self._loss_scaled = False
+        # The mean over the ranks: divided by the fused kernel as it reads each gradient, where it can (see
+        # `control.step.in_kernel_mean`), else one pass over the summed gradients
+        self._world_scale = in_kernel_mean(optimizer, zero=zero, compress=compress, world_size=ctx.world_size)
+        self._mean_pending = False  # this step's sum still waits for its division
         # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs
         # to has been handed out, whether zero_grad() ran before backward or after the previous step().
         self.sync.scale_fn = self._scales
@@ -196,14 +201,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _scales(self) -> tuple[float, float]:
         """(prescale, postscale) of this step's reduction: the mean over ranks costs one in-place pass over
-        the gradients, inside the reduction, unless scale_loss() put it into the loss."""
+        the gradients, inside the reduction, unless scale_loss() put it into the loss or the optimizer's fused
+        kernel divides by the world size (then postscale 1 and the division pending for step() or synchronize())."""
+        self._mean_pending = False
         if self._loss_scaled:
             return 1.0, 1.0
-        return (self.loader.rank_weight(), 1.0) if self.loader is not None else (1.0, 1.0 / self.world_size)
+        if self.loader is not None:
+            return self.loader.rank_weight(), 1.0
+        if self._world_scale is not None:  # divided in the optimizer's kernel, or by synchronize()
+            self._mean_pending = True
+            return 1.0, 1.0
+        return 1.0, 1.0 / self.world_size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients before the next backward (torch's default); `set_to_none=False` leaves zeros."""
         self.sync.zero()
+        self._mean_pending = False
         if not set_to_none:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -226,9 +239,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.sync.enabled = True
 
     def synchronize(self) -> None:
-        """Finish the allreduce now (e.g. to clip gradients before `step()`)."""
+        """Finish the allreduce now (e.g. to clip gradients before `step()`): `.grad` then holds the mean."""
         self.sync.wait()
         self._synced = True
+        if self._mean_pending:  # the caller reads the gradients before the step: the mean in them now
+            self._mean_pending = False
+            torch._foreach_mul_(self._grads(), 1.0 / self.world_size)
+
+    def _grads(self) -> list[Any]:
+        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Finish the gradient sync and clip the global gradient norm to `max_norm`; returns the norm."""
@@ -245,7 +264,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synced = False
         self._loss_scaled = False  # the next step says again whether its loss carries the weight
         waited = time.perf_counter()
-        out = self.optimizer.step(closure)
+        if self._mean_pending:
+            self._mean_pending = False
+            out = step_dividing(self.wrapped, self._world_scale, closure)
+        else:
+            out = self.optimizer.step(closure)
         TRACER.span("wait", start, waited)  # on a Timeline's recorded steps only
         TRACER.span("optimizer", waited, time.perf_counter())
         return out

@@ -71,6 +71,14 @@ def test_distributed_optimizer_gives_the_mean_gradient(n: int) -> None:
     assert f"API OK {n}" in proc.stdout
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_fused_optimizer_divides_the_sum_in_its_kernel_and_grad_holds_the_mean(n: int) -> None:
+    """SGD with momentum and weight decay, Adam, AdamW, fused and not: three steps each against the same optimizer
+    stepped on the mean of every rank's gradient, `.grad` the mean after step() and after synchronize()."""
+    proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "api_mean_check.py")], python_module=False)
+    assert f"API MEAN OK {n}" in proc.stdout
+
+
 @pytest.mark.parametrize("order", ["zero-first", "zero-last"])
 def test_uneven_last_batch_gets_its_own_weights_in_either_zeroing_order(tmp_path: Path, order: str) -> None:
     """39 samples in 4 shards: on 2 ranks 19 and 20 samples, so the last step has 3 and 4. Before the fix,
