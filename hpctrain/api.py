@@ -170,7 +170,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._loss_scaled = False
         # The mean over the ranks: divided by the fused kernel as it reads each gradient, where it can (see
         # `control.step.in_kernel_mean`), else one pass over the summed gradients
-        self._world_scale = in_kernel_mean(optimizer, zero=zero, compress=compress, world_size=ctx.world_size)
+        self._world_scale = in_kernel_mean(optimizer, zero=zero, compress=compress, world_size=ctx.world_size,
+                                           on_cpu=all(p.device.type == "cpu" for p in model.parameters()))
         self._mean_pending = False  # this step's sum still waits for its division
         # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs
         # to has been handed out, whether zero_grad() ran before backward or after the previous step().
@@ -244,10 +245,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synced = True
         if self._mean_pending:  # the caller reads the gradients before the step: the mean in them now
             self._mean_pending = False
-            torch._foreach_mul_(self._grads(), 1.0 / self.world_size)
-
-    def _grads(self) -> list[Any]:
-        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            grads = self.sync.grad_tensors() if self.sync.stage else [  # ZeRO: this rank's reduced slices
+                p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch._foreach_mul_(grads, 1.0 / self.world_size)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Finish the gradient sync and clip the global gradient norm to `max_norm`; returns the norm."""
@@ -266,7 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         waited = time.perf_counter()
         if self._mean_pending:
             self._mean_pending = False
-            out = step_dividing(self.wrapped, self._world_scale, closure)
+            out = step_dividing(self.optimizer.step, self.wrapped, self._world_scale, closure)
         else:
             out = self.optimizer.step(closure)
         TRACER.span("wait", start, waited)  # on a Timeline's recorded steps only

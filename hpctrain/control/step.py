@@ -154,39 +154,38 @@ class _Clock:
         self.last = now
 
 
-def in_kernel_mean(optimizer: Any, *, zero: int, compress: str, world_size: int) -> Any:
+def in_kernel_mean(optimizer: Any, *, zero: int, compress: str, world_size: int, on_cpu: bool) -> Any:
     """tensor(world size) where `optimizer`'s fused kernel can divide the summed gradients by it as it reads them
     (torch's `grad_scale`, the contract its GradScaler uses), else None: the library API's DistributedOptimizer then
     pays one pass over them after the sum.
 
-    That pass cost 1.8 ms of the reference MLP's 35-37 ms step through the API here, 11 of 11 alternating blocks
-    against `scale_loss()`, which needs none (`hpctrain train` scales the loss). Only at stage 0 (the sharded
-    optimizers step slices), with fp32 sums (a 16-bit wire or a compressor scales inside the sum), on the CPU,
-    where torch's fused SGD, Adam, AdamW and Adagrad write the divided gradient back into `.grad`
-    (tests/unit/test_api_mean.py): after the step `.grad` holds the mean, as after the pass."""
+    That pass cost 1.8 ms of the reference MLP's 35-37 ms step through the API here at stage 0 (11 of 11
+    alternating blocks against `scale_loss()`, which needs none: `hpctrain train` scales the loss), and 0.56 ms
+    over ZeRO 1's slices. Only at stages 0-2 (ZeRO 1 and 2 step the same fused optimizer over this rank's
+    slices), with fp32 sums (a 16-bit wire or a compressor scales inside the sum), on the CPU (`on_cpu`: every
+    parameter), where torch's fused SGD, Adam, AdamW and Adagrad write the divided gradient back
+    (tests/unit/test_api_mean.py): after the step the gradients hold the mean, as after the pass."""
     import torch
 
     fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-    if zero or compress != "none" or world_size == 1 or not fused:
-        return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not params or any(p.device.type != "cpu" for p in params):
+    if zero not in (0, 1, 2) or compress != "none" or world_size == 1 or not fused or not on_cpu:
         return None
     return torch.tensor(float(world_size))
 
 
-def step_dividing(optimizer: Any, scale: Any, closure: Any = None) -> Any:
-    """`optimizer.step(closure)` with `scale` as its `grad_scale` (see `in_kernel_mean`): its fused kernel divides
-    each gradient by it as it reads it, and writes the quotient back into `.grad`."""
-    prior = getattr(optimizer, "grad_scale", None)  # someone's own scale: both apply
-    optimizer.grad_scale = scale if prior is None else prior * scale
+def step_dividing(step: Any, kernel: Any, scale: Any, closure: Any = None) -> Any:
+    """`step(closure)`, which steps the fused torch optimizer `kernel` (itself, or a ShardedOptimizer over it),
+    with `scale` as `kernel`'s `grad_scale` (see `in_kernel_mean`): its kernel divides each gradient by it as it
+    reads it, and writes the quotient back."""
+    prior = getattr(kernel, "grad_scale", None)  # someone's own scale: both apply
+    kernel.grad_scale = scale if prior is None else prior * scale
     try:
-        return optimizer.step(closure)
+        return step(closure)
     finally:
         if prior is None:
-            del optimizer.grad_scale
+            del kernel.grad_scale
         else:
-            optimizer.grad_scale = prior
+            kernel.grad_scale = prior
 
 
 def lr_factor(schedule: str, total: int, warmup: int = 0) -> Any:
