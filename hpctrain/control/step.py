@@ -159,9 +159,9 @@ def in_kernel_mean(optimizer: Any, *, zero: int, compress: str, world_size: int,
     (torch's `grad_scale`, the contract its GradScaler uses), else None: the library API's DistributedOptimizer then
     pays one pass over them after the sum.
 
-    That pass cost 1.8 ms of the reference MLP's 35-37 ms step through the API here at stage 0 (11 of 11
-    alternating blocks against `scale_loss()`, which needs none: `hpctrain train` scales the loss), and 0.56 ms
-    over ZeRO 1's slices. Only at stages 0-2 (ZeRO 1 and 2 step the same fused optimizer over this rank's
+    That pass cost 0.9-1.8 ms of the reference MLP's 27-37 ms step through the API here at stage 0, against
+    `scale_loss()`, which needs none (`hpctrain train` scales the loss): `benchmarks/api_mean.py`. Over ZeRO 1's
+    slices (half the bytes) it is within noise there. Only at stages 0-2 (ZeRO 1 and 2 step the same fused optimizer over this rank's
     slices), with fp32 sums (a 16-bit wire or a compressor scales inside the sum), on the CPU (`on_cpu`: every
     parameter), where torch's fused SGD, Adam, AdamW and Adagrad write the divided gradient back
     (tests/unit/test_api_mean.py): after the step the gradients hold the mean, as after the pass."""
