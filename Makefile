@@ -34,17 +34,17 @@ demo: venv
 	$(HPCTRAIN) launch -n 2 -- train --data demo/data --run-dir demo/run --epochs 20
 	@echo "summary: demo/run/summary.json"
 
-# Two pytest workers (pytest-xdist), each test file on one, then Horovod's own suite alone (its barrier test
-# times a 5 s wait that a rank starved of a core by the other worker cannot meet): about 17 min on 2 cores
-# against 21 serially (docs/development.md). TEST_WORKERS=0: everything in one serial run.
+# Two pytest workers (pytest-xdist), each test file on one, then the tests marked `alone` by themselves (Horovod's
+# own suite, whose barrier test times a 5 s wait that a rank starved of a core by the other worker cannot meet,
+# and a clean traced run's straggler verdict): about 17 min on 2 cores against 21 serially
+# (docs/development.md). TEST_WORKERS=0: everything in one serial run.
 TEST_WORKERS ?= 2
-ALONE_TESTS = tests/peers
 test: venv
 ifeq ($(TEST_WORKERS),0)
 	$(PY) -m pytest -q -ra --durations=30 tests
 else
-	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile $(addprefix --ignore=,$(ALONE_TESTS)) tests
-	$(PY) -m pytest -q -ra $(ALONE_TESTS)
+	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "not alone" tests
+	$(PY) -m pytest -q -ra -m alone tests
 endif
 
 # the documentation site (MkDocs), built strictly: a broken link, a missing page or a bad docstring fails
