@@ -21,7 +21,9 @@ wait the longest in most steps (at least 1/2 + 1/(2W) of them: 3/4 with two rank
 half with many; on a busy node every rank is late now and then, a straggler is late step after step) and
 that waiting is not noise (at least `MIN_EFFECT` of the median step, and `MIN_WAIT_S`); the phase named is
 the one where it is furthest behind the median of the other ranks of its stage, if that explains a quarter
-of the waiting at least. Only collectives whose arrivals can show a straggler count (`comparable`: not a
+of the waiting at least; when none does and the rank is at least `EVERY_PHASE` slower in each of forward,
+backward and the optimizer step, the verdict says it is slower in every phase (a core shared or slower), else
+that its time is in no traced phase. Only collectives whose arrivals can show a straggler count (`comparable`: not a
 root's gathers and broadcasts, not validation, checkpoint writes or start-up, where the ranks' shares of
 the work differ by design).
 """
@@ -35,6 +37,10 @@ from .lineup import records
 
 MIN_EFFECT = 0.10  # the straggler's waiting per step, as a fraction of the median step, below which it is noise
 MIN_WAIT_S = 0.001  # and in seconds: a rank's own bookkeeping (rank 0 logs, checks the checkpoint policy) is less
+# when no phase explains the waiting alone: a rank this much slower (or more) in each compute phase is slow at
+# everything (a rank sharing its core with another process was 43-57 % slower in each, and lost more between them)
+EVERY_PHASE = 0.10
+COMPUTE = ("forward", "backward", "optimizer")
 # collectives whose arrivals say nothing about a straggler: a root's own work comes first by design (gathers and
 # broadcasts of a checkpoint's completion), or each rank's share of the work differs (validation, start-up)
 ROOTED = ("gather", "bcast")
@@ -201,7 +207,16 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     mine, theirs = mean[worst][phase], theirs_of[phase]
     waited = f"the others waited {per_step * 1e3:.2f} ms per step for it"
     others = "the other ranks of its stage" if piped else "the other ranks"
-    if mine - theirs < per_step / 4:  # no traced phase explains it: the time is between them
+    if mine - theirs < per_step / 4:  # no traced phase explains it alone
+        slower = {p: (mean[worst][p] - theirs_of[p]) / theirs_of[p] for p in COMPUTE if theirs_of[p] > 0}
+        if len(slower) == len(COMPUTE) and min(slower.values()) >= EVERY_PHASE:
+            # a rank slow at everything, a little in each phase and between them: its core (shared or slower)
+            each = ", ".join(f"{p} +{v * 100:.0f} %" for p, v in slower.items())
+            out.update(rank=worst, phase="every phase", verdict=(
+                f"rank {docs[worst]['rank']} is the straggler, slower in every phase ({each} against the median of "
+                f"{others}) and between them, as a rank whose core is shared with other work or slower is; {waited}"
+                f"{note}"))
+            return out
         out.update(rank=worst, verdict=f"rank {docs[worst]['rank']} is the straggler, in no traced phase (its time "
                                        f"between them); {waited}{note}")
         return out
