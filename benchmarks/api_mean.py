@@ -5,10 +5,10 @@ alternating blocks of steps, so the machine's drift between launches does not en
 
 The reference MLP (784-2048-2048-10, batch 64 per rank, fused SGD with momentum), 2 ranks, one torch thread each.
 Without `scale_loss()` the sum is divided by the world size inside the fused optimizer's kernel where it can be
-(`hpctrain.control.step.in_kernel_mean`: stages 0-2 on the CPU), else by a pass over the summed gradients.
+(`hpctrain.control.step.in_kernel_mean`: every stage, on the CPU), else by a pass over the summed gradients.
 Prints each loop's median block (ms a step) and in how many pairs of blocks `scale_loss()` was the faster.
 
-    python benchmarks/api_mean.py [--zero 0|1|2] [--blocks 24] [--steps 40] [--json]
+    python benchmarks/api_mean.py [--zero 0|1|2|3] [--blocks 24] [--steps 40] [--json]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def worker(zero: int, blocks: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2))
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     parser.add_argument("--blocks", type=int, default=24, help="blocks in all, alternating (default 24)")
     parser.add_argument("--steps", type=int, default=40, help="steps a block (default 40)")
     parser.add_argument("--json", action="store_true")

@@ -73,8 +73,9 @@ def test_distributed_optimizer_gives_the_mean_gradient(n: int) -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_a_fused_optimizer_divides_the_sum_in_its_kernel_and_grad_holds_the_mean(n: int) -> None:
-    """SGD with momentum and weight decay, Adam, AdamW, fused and not: three steps each against the same optimizer
-    stepped on the mean of every rank's gradient, `.grad` the mean after step() and after synchronize()."""
+    """SGD with momentum and weight decay, Adam, AdamW, fused and not, at every ZeRO stage: three steps each against
+    the same optimizer stepped on the mean of every rank's gradient, `.grad` the mean after step() and after
+    synchronize()."""
     proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "api_mean_check.py")], python_module=False)
     assert f"API MEAN OK {n}" in proc.stdout
 
