@@ -35,6 +35,10 @@ against `train`'s 400, 14 s, drew its per-round ratio mostly from which of the m
 the short sample fell on: 0.95-1.15 per round in a run whose medians were 1.03 apart).
 
     python benchmarks/step_limit.py [--rounds 5] [--long 190] [--horovod-python /opt/hvd/bin/python] [--json]
+
+`--loops train,api` runs only those loops (any of limit, train, handwritten, api, ddp, horovod), alternating their
+order from round to round, and prints each one's median and their ratios to the first: whether `train` costs
+more than the library API's loop, say, without the minutes the other loops take.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 RANKS, BATCH, FEATURES, CLASSES, WIDTH = 2, 64, 784, 10, 2048
@@ -231,6 +236,51 @@ def _train_s(data: Path, run: Path, steps: int) -> tuple[float, float]:
     return wall, json.loads((run / "summary.json").read_text())["train_time_s"]
 
 
+LOOPS = ("limit", "train", "handwritten", "api", "ddp", "horovod")
+
+
+def _some_loops(args: argparse.Namespace, loops: list[str], rows: dict[str, list[float]], limit: Any,
+                train: Any) -> None:
+    """`--loops`: only `loops`, in turns (round r starts at loop r mod n), each loop's median and its ratio
+    per round to the first loop."""
+    for r in range(args.rounds):
+        for kind in loops[r % len(loops):] + loops[:r % len(loops)]:
+            if kind == "limit":
+                limit()
+            elif kind == "train":
+                train(r)
+            else:
+                got = _mpirun(args.horovod_python if kind == "horovod" else sys.executable, kind, args.steps)
+                rows[kind].append(got["step_ms"])
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {rows[k][-1]:.1f}" for k in loops),
+              file=sys.stderr, flush=True)
+    first = loops[0]
+    ratios = {f"{k}_over_{first}": [a / b for a, b in zip(rows[k], rows[first])] for k in loops[1:]}
+    result = {"rounds": args.rounds, "step_ms": {k: statistics.median(rows[k]) for k in loops},
+              "per_round_ms": {k: rows[k] for k in loops},
+              "ratios": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in ratios.items()}}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"reference MLP, {RANKS} ranks, batch {BATCH}/rank, {args.rounds} rounds in turns (median, min-max):")
+    for k in loops:
+        print(f"  {k:<17} {result['step_ms'][k]:7.2f} ms")
+    for k, v in ratios.items():
+        print(f"  {k:<22} {_spread(v)}")
+
+
+def _loops(args: argparse.Namespace) -> list[str]:
+    """`--loops` as a list, checked before anything runs."""
+    loops = [k.strip() for k in (args.loops or "").split(",") if k.strip()]
+    bad = [k for k in loops if k not in LOOPS]
+    if "horovod" in loops and not args.horovod_python:
+        bad.append("horovod without --horovod-python")
+    if bad or len(loops) < 2 or len(set(loops)) < len(loops):
+        why = f"not {', '.join(bad)}" if bad else "each once"
+        raise SystemExit(f"--loops {args.loops!r}: name two or more of {', '.join(LOOPS)}, {why}")
+    return loops
+
+
 def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
@@ -243,6 +293,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=190, help="steps of the long `train` run (the short one: 40)")
     ap.add_argument("--horovod-python", help="a Python that imports horovod.torch (else Horovod is skipped)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--loops", help="run only these loops, comma-separated (limit, train, handwritten, api, ddp, "
+                    "horovod), in turns, and print their ratios to the first")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker == "allreduce":
@@ -252,6 +304,8 @@ def main() -> None:
         worker(args.worker, args.steps)
         return
     args.steps = args.steps or args.long - 40
+    if args.loops:
+        _loops(args)  # a bad list fails now, not after the data is written
     kinds = ["plain", "handwritten", "api", "ddp"] + (["horovod"] if args.horovod_python else [])
     rows: dict[str, list[float]] = {k: [] for k in ["limit", "limit_of_medians", "limit_back_to_back", "plain",
                                                     "raw_allreduce", "raw_allreduce_back_to_back", "train",
@@ -278,6 +332,9 @@ def main() -> None:
             rows["train"].append((long_s[0] - short_s[0]) / (args.long - 40) * 1e3)
             rows["train_loop"].append((long_s[1] - short_s[1]) / (args.long - 40) * 1e3)
 
+        if args.loops:
+            _some_loops(args, _loops(args), rows, limit, train)
+            return
         for r in range(args.rounds):
             # the limit and `train` side by side, in turns first (the machine's speed drifts over minutes here:
             # with the other loops between them, one round's ratio ranged 0.96-1.11 in a run whose medians were
