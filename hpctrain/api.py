@@ -170,7 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._loss_scaled = False
         # The mean over the ranks: divided by the fused kernel as it reads each gradient, where it can (see
         # `control.step.in_kernel_mean`), else one pass over the summed gradients
-        self._world_scale = in_kernel_mean(optimizer, zero=zero, compress=compress, world_size=ctx.world_size,
+        self._world_scale = in_kernel_mean(optimizer, compress=compress, world_size=ctx.world_size,
                                            on_cpu=all(p.device.type == "cpu" for p in model.parameters()))
         self._mean_pending = False  # this step's sum still waits for its division
         # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs

@@ -154,21 +154,21 @@ class _Clock:
         self.last = now
 
 
-def in_kernel_mean(optimizer: Any, *, zero: int, compress: str, world_size: int, on_cpu: bool) -> Any:
+def in_kernel_mean(optimizer: Any, *, compress: str, world_size: int, on_cpu: bool) -> Any:
     """tensor(world size) where `optimizer`'s fused kernel can divide the summed gradients by it as it reads them
     (torch's `grad_scale`, the contract its GradScaler uses), else None: the library API's DistributedOptimizer then
     pays one pass over them after the sum.
 
     That pass cost 0.9-1.8 ms of the reference MLP's 27-37 ms step through the API here at stage 0, against
     `scale_loss()`, which needs none (`hpctrain train` scales the loss): `benchmarks/api_mean.py`. Over ZeRO 1's
-    slices (half the bytes) it is within noise there. At every stage (ZeRO 1-3 step the same fused optimizer over
-    this rank's slices), with fp32 sums (a 16-bit wire or a compressor scales inside the sum), on the CPU (`on_cpu`: every
-    parameter), where torch's fused SGD, Adam, AdamW and Adagrad write the divided gradient back
+    slices (half the bytes) it is within noise there. At every ZeRO stage (1-3 step the same fused optimizer
+    over this rank's slices), with fp32 sums (a 16-bit wire or a compressor scales inside the sum), on the CPU
+    (`on_cpu`: every parameter), where torch's fused SGD, Adam, AdamW and Adagrad write the divided gradient back
     (tests/unit/test_api_mean.py): after the step the gradients hold the mean, as after the pass."""
     import torch
 
     fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-    if zero not in (0, 1, 2, 3) or compress != "none" or world_size == 1 or not fused or not on_cpu:
+    if compress != "none" or world_size == 1 or not fused or not on_cpu:
         return None
     return torch.tensor(float(world_size))
 
