@@ -22,7 +22,9 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
   loop's own wall time, `summary.json`'s `train_time_s` (`train_loop`: every step with everything between
   steps, epoch boundaries and logged windows included, without the launch's start-up and end, which vary
   by about a second from one launch to the next here, 2-3 ms a step over a 400-step difference);
-- hpctrain's library API: the custom loop a user writes with `DistributedOptimizer`;
+- `train_zero1`: the same with `--zero 1` (each rank steps its slice of the optimizer and the parameters are
+  allgathered, where stage 0, the default, steps the whole model on every rank: which is faster on CPUs);
+- hpctrain's library API: the custom loop a user writes with `DistributedOptimizer` (stage 0, its default);
 - torch DDP (gloo), the same loop as users write it;
 - Horovod's own benchmark loop (its `pytorch_synthetic_benchmark.py` loop: zero_grad, forward, cross
   entropy, backward, step through `hvd.DistributedOptimizer`) when `--horovod-python` names a Python with
@@ -36,7 +38,7 @@ the short sample fell on: 0.95-1.15 per round in a run whose medians were 1.03 a
 
     python benchmarks/step_limit.py [--rounds 5] [--long 190] [--horovod-python /opt/hvd/bin/python] [--json]
 
-`--loops train,api` runs only those loops (any of limit, train, handwritten, api, ddp, horovod), alternating their
+`--loops train,api` runs only those loops (any of limit, train, train_zero1, handwritten, api, ddp, horovod), alternating their
 order from round to round, and prints each one's median and their ratios to the first: whether `train` costs
 more than the library API's loop, say, without the minutes the other loops take.
 """
@@ -225,18 +227,18 @@ def _mpirun(python: str, kind: str, steps: int) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _train_s(data: Path, run: Path, steps: int) -> tuple[float, float]:
-    """(the launch's wall seconds, its training loop's: summary.json's train_time_s)."""
+def _train_s(data: Path, run: Path, steps: int, extra: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(the launch's wall seconds, its training loop's: summary.json's train_time_s); `extra`: more flags."""
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "hpctrain", "launch", "-n", str(RANKS), "--", "train", "--data", str(data),
                     "--run-dir", str(run), "--model", f"mlp:{WIDTH},{WIDTH}", "--batch-size", str(BATCH),
                     "--max-steps", str(steps), "--epochs", "100", "--lr", "0.01", "--checkpoint-every", "0",
-                    "--resume", "never", "--log-every", "50"], check=True, capture_output=True, env=ENV, timeout=600)
+                    "--resume", "never", "--log-every", "50", *extra], check=True, capture_output=True, env=ENV, timeout=600)
     wall = time.perf_counter() - t0
     return wall, json.loads((run / "summary.json").read_text())["train_time_s"]
 
 
-LOOPS = ("limit", "train", "handwritten", "api", "ddp", "horovod")
+LOOPS = ("limit", "train", "train_zero1", "handwritten", "api", "ddp", "horovod")
 
 
 def _some_loops(args: argparse.Namespace, loops: list[str], rows: dict[str, list[float]], limit: Any,
@@ -247,8 +249,8 @@ def _some_loops(args: argparse.Namespace, loops: list[str], rows: dict[str, list
         for kind in loops[r % len(loops):] + loops[:r % len(loops)]:
             if kind == "limit":
                 limit()
-            elif kind == "train":
-                train(r)
+            elif kind in ("train", "train_zero1"):
+                train(r, kind)
             else:
                 got = _mpirun(args.horovod_python if kind == "horovod" else sys.executable, kind, args.steps)
                 rows[kind].append(got["step_ms"])
@@ -293,7 +295,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=190, help="steps of the long `train` run (the short one: 40)")
     ap.add_argument("--horovod-python", help="a Python that imports horovod.torch (else Horovod is skipped)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--loops", help="run only these loops, comma-separated (limit, train, handwritten, api, ddp, "
+    ap.add_argument("--loops", help="run only these loops, comma-separated (limit, train, train_zero1, handwritten, api, ddp, "
                     "horovod), in turns, and print their ratios to the first")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -309,7 +311,7 @@ def main() -> None:
     kinds = ["plain", "handwritten", "api", "ddp"] + (["horovod"] if args.horovod_python else [])
     rows: dict[str, list[float]] = {k: [] for k in ["limit", "limit_of_medians", "limit_back_to_back", "plain",
                                                     "raw_allreduce", "raw_allreduce_back_to_back", "train",
-                                                    "train_loop", *kinds[1:]]}
+                                                    "train_loop", "train_zero1", *kinds[1:]]}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         subprocess.run([sys.executable, "-m", "hpctrain", "shard", f"synthetic:{RANKS * BATCH * 200}:{FEATURES}:{CLASSES}",
@@ -326,11 +328,13 @@ def main() -> None:
             rows["limit"].append(got["step_ms"] + ar["raw_allreduce_ms"])
             rows["limit_of_medians"].append(got["median_step_ms"] + ar["median_raw_allreduce_ms"])
 
-        def train(r: int) -> None:
-            long_s = _train_s(data, Path(tmp) / f"long{r}", args.long)
-            short_s = _train_s(data, Path(tmp) / f"short{r}", 40)
-            rows["train"].append((long_s[0] - short_s[0]) / (args.long - 40) * 1e3)
-            rows["train_loop"].append((long_s[1] - short_s[1]) / (args.long - 40) * 1e3)
+        def train(r: int, kind: str = "train") -> None:
+            extra = ("--zero", "1") if kind == "train_zero1" else ()
+            long_s = _train_s(data, Path(tmp) / f"long{kind}{r}", args.long, extra)
+            short_s = _train_s(data, Path(tmp) / f"short{kind}{r}", 40, extra)
+            rows[kind].append((long_s[0] - short_s[0]) / (args.long - 40) * 1e3)
+            if kind == "train":
+                rows["train_loop"].append((long_s[1] - short_s[1]) / (args.long - 40) * 1e3)
 
         if args.loops:
             _some_loops(args, _loops(args), rows, limit, train)
@@ -345,6 +349,7 @@ def main() -> None:
             else:
                 train(r)
                 limit()
+            train(r, "train_zero1")
             for kind in kinds[1:]:
                 got = _mpirun(args.horovod_python if kind == "horovod" else sys.executable, kind, args.steps)
                 rows[kind].append(got["step_ms"])
@@ -352,7 +357,7 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     result: dict[str, object] = {"rounds": args.rounds, "step_ms": {k: statistics.median(v) for k, v in rows.items()},
                                  "per_round_ms": rows}
-    ratios = {f"{k}_over_limit": [a / b for a, b in zip(rows[k], rows["limit"])] for k in ("train", "train_loop", "api", "handwritten")}
+    ratios = {f"{k}_over_limit": [a / b for a, b in zip(rows[k], rows["limit"])] for k in ("train", "train_loop", "train_zero1", "api", "handwritten")}
     ratios["train_over_limit_of_medians"] = [a / b for a, b in zip(rows["train"], rows["limit_of_medians"])]
     ratios["train_over_limit_back_to_back"] = [a / b for a, b in zip(rows["train"], rows["limit_back_to_back"])]
     ratios["train_over_handwritten"] = [a / b for a, b in zip(rows["train"], rows["handwritten"])]
@@ -362,7 +367,7 @@ def main() -> None:
     result["ratios"] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in ratios.items()}
     # the same ratios of the loops' medians over the rounds (each loop's noise taken out before dividing)
     medians = {k: statistics.median(v) for k, v in rows.items() if v}
-    result["ratios_of_medians"] = {f"{k}_over_limit": medians[k] / medians["limit"] for k in ("train", "train_loop", "api")}
+    result["ratios_of_medians"] = {f"{k}_over_limit": medians[k] / medians["limit"] for k in ("train", "train_loop", "train_zero1", "api")}
     if args.json:
         print(json.dumps(result))
         return
@@ -371,7 +376,7 @@ def main() -> None:
     print(f"  limit             {med['limit']:7.2f} ms  (plain torch {med['plain']:.2f} + raw allreduce in the step "
           f"{med['raw_allreduce']:.2f}: mean steps; of their medians {med['limit_of_medians']:.2f}; with the "
           f"allreduce back to back, {med['raw_allreduce_back_to_back']:.2f} ms: {med['limit_back_to_back']:.2f})")
-    for k in ("handwritten", "train", "train_loop", "api", "ddp", "horovod"):
+    for k in ("handwritten", "train", "train_loop", "train_zero1", "api", "ddp", "horovod"):
         if rows.get(k):
             print(f"  {k:<17} {med[k]:7.2f} ms")
     for k, v in ratios.items():
