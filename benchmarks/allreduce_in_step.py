@@ -15,7 +15,13 @@ Run under mpirun, 2 ranks (one torch thread each), the reference MLP's gradient 
   or in forward order, the gradient backward wrote last first (why `allreduce.WholeGradients` sums them so).
 Every figure is the slowest rank's median in milliseconds.
 
-    mpirun -n 2 python benchmarks/allreduce_in_step.py [--iters 40] [--json]
+The process has the memory of `train`'s (`hpctrain/base/hostmem.py`): torch's large tensors on huge pages, freed
+gradient memory kept for the next step. With `--plain-memory`, glibc's and torch's defaults instead, as a script
+without hpctrain has them: there the buckets, in torch memory on 4 KiB pages, took 0.8-1.0 ms more than the one
+Allreduce of the numpy buffer (numpy advises huge pages itself), against 0.3-0.6 ms with `train`'s settings
+(2026-12-06, docs/performance.md).
+
+    mpirun -n 2 python benchmarks/allreduce_in_step.py [--iters 40] [--plain-memory] [--json]
 """
 
 from __future__ import annotations
@@ -23,11 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
-import numpy as np
-import torch
-from mpi4py import MPI
+if "--plain-memory" not in sys.argv:  # before torch allocates: it reads its huge-page setting once
+    from hpctrain.base.hostmem import prefer_huge_pages, reuse_freed_memory
+
+    prefer_huge_pages()
+    reuse_freed_memory()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 FEATURES, WIDTH, CLASSES, BATCH = 784, 2048, 10, 64
 
@@ -45,6 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plain-memory", action="store_true", help="glibc's and torch's memory defaults, not train's")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -97,7 +111,7 @@ def main() -> None:
     if comm.rank:
         return
     if args.json:
-        print(json.dumps({"bytes": buf.nbytes, "ranks": comm.size, "allreduce_ms": ms}))
+        print(json.dumps({"bytes": buf.nbytes, "ranks": comm.size, "memory": "plain" if args.plain_memory else "train", "allreduce_ms": ms}))
         return
     print(f"one Allreduce of {buf.nbytes / 1e6:.1f} MB on {comm.size} ranks (slowest rank's median of {args.iters}):")
     for k, v in ms.items():
