@@ -7,7 +7,7 @@ gradients and parameters make is here.
   size), Reduce_scatter, an Allreduce of which each rank keeps its slice, a ring of Sendrecv exchanges summed
   by torch, or in rank order;
 - `allgather`: every rank's slice of a bucket into the whole bucket on every rank (ZeRO's parameters);
-- `fastest_reducer`: times the four reducers once on the largest bucket and keeps the fastest.
+- `fastest_reducer`: times the four reducers in turns on the largest bucket and keeps the fastest.
 
 MPI libraries differ on the reducers: Open MPI 4.1 on one node sums 23 MB with Allreduce in 2.7 ms, with
 Reduce_scatter in 6 ms and with Reduce_scatter_block in 13 ms, while on a network a reduce-scatter sends half
@@ -17,6 +17,7 @@ the bytes of an allreduce; so `--zero-reduce auto` measures. Every tensor goes t
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ from ..base.config import ZERO_REDUCERS as REDUCERS
 from .wire import buffer_spec
 from .world import Comm, load_mpi
 
+PROBE_ROUNDS = 5  # `fastest_reducer`'s timed rounds of every reducer, after one warm-up round
 RING_TAG = 0x5253  # the ring reducer's messages (it runs alone on its communicator, in every rank's same order)
 
 
@@ -148,18 +150,23 @@ class Collectives:
 
     # -- the choice of reducer -------------------------------------------------------------------------
     def fastest_reducer(self, send: Any, out: Any, counts: list[int], packed: bool = False) -> tuple[str, str]:
-        """Time each reducer on `send` (median of 3 after a warm-up, the slowest rank's); return the fastest
-        and the times in words. The times are the same on every rank, and so is the choice. `packed`: the
-        reduce-scatters of this bucket first pack it (a copy of its bytes) and the allreduce does not (it sums
-        its large gradients in their own memory): their times include such a copy (one half of `send` into the
-        other and back, no second buffer)."""
+        """Time each reducer on `send` and return the fastest and the times in words: the reducers in turns, a
+        warm-up round and then `PROBE_ROUNDS` rounds of every one (the order reversed every other round, the same
+        on every rank), each one's median, the slowest rank's. The times are the same on every rank, and so is the
+        choice. In turns, a slow spell of the machine (a busy neighbour, a preempted rank) falls on every reducer
+        alike: timed one reducer at a time (4 runs, the median of the last 3), one spell made `bench train
+        --zero 1` pick MPI's Allreduce over the ring, which its other runs timed twice as fast (3.8 against
+        1.7 ms for the reference MLP's 23 MB bucket), and step 1.06x stage 0 instead of 0.90-0.95x (2026-12-06,
+        docs/performance.md). `packed`: the reduce-scatters of this bucket first pack it (a copy of its bytes)
+        and the allreduce does not (it sums its large gradients in their own memory): their times include such
+        a copy (one half of `send` into the other and back, no second buffer)."""
         import torch
 
         MPI = load_mpi()
-        times = []
-        for how in REDUCERS[1:]:
-            runs = []
-            for _ in range(4):
+        order = list(REDUCERS[1:])
+        runs: dict[str, list[float]] = {how: [] for how in order}
+        for r in range(PROBE_ROUNDS + 1):  # round 0 warms every reducer up (its buffers, the ring's first messages)
+            for how in (order if r % 2 == 0 else order[::-1]):
                 if send.is_cuda:
                     torch.cuda.synchronize(send.device)
                 start = time.perf_counter()
@@ -168,8 +175,9 @@ class Collectives:
                     send[:half].copy_(send[half:2 * half])
                     send[half:2 * half].copy_(send[:half])
                 self.reduce_scatter(send, out, counts, MPI.SUM, how)
-                runs.append(time.perf_counter() - start)
-            times.append(sorted(runs[1:])[1])
+                if r:
+                    runs[how].append(time.perf_counter() - start)
+        times = [statistics.median(runs[how]) for how in order]
         slowest = self.comm.allreduce_array(times, op="max")
         probe = ", ".join(f"{how} {t * 1e3:.2f} ms" for how, t in zip(REDUCERS[1:], slowest))
         return REDUCERS[1 + int(slowest.argmin())], probe

@@ -192,3 +192,28 @@ def test_stage_3_takes_its_host_copy_of_the_parameters_as_stale_once_they_change
     sharded.step()
     assert not any(unit.on_host for unit in units)  # the step changed the parameters
     sync.close()
+
+
+def test_the_reducer_probe_is_not_decided_by_a_slow_spell_of_the_machine(monkeypatch) -> None:
+    """`--zero-reduce auto` times the reducers at start-up. A slow spell of the machine as long as four runs (a busy
+    neighbour, a preempted rank) must not make it pick a slower reducer: timed one reducer at a time, such a spell
+    once fell on all of the ring's runs and the probe chose MPI's Allreduce (stage 1 then stepped 1.06x stage 0,
+    not 0.90-0.95x). The reducers' times are staged here (sleeps in place of the collectives, on a world of one):
+    what is tested is the probe's schedule and choice, not MPI."""
+    import time as clock
+
+    from hpctrain.comm.collectives import Collectives
+
+    # ms apart by far more than a sleep oversleeps on a busy machine
+    cost = {"reduce-scatter-block": 0.012, "reduce-scatter": 0.010, "allreduce": 0.008, "ring": 0.002}
+    calls: list[str] = []
+
+    def staged(send, out, counts, op, how):
+        calls.append(how)
+        clock.sleep(cost[how] + (0.020 if 12 <= len(calls) - 1 < 16 else 0.0))  # the 13th to the 16th run: slow
+
+    colls = Collectives(self_comm())
+    monkeypatch.setattr(colls, "reduce_scatter", staged)
+    best, probe = colls.fastest_reducer(torch.ones(8), torch.empty(8), [8])
+    assert best == "ring", probe
+    assert set(calls) == set(cost) and len(calls) >= 5 * len(cost)
