@@ -16,6 +16,7 @@ import pytest
 from conftest import PYTHON, hpctrain, mpi_env, summary
 from hpctrain.control import checkpoint as ckpt
 from hpctrain.control.ckptformat import part_name
+from hpctrain.tools.report import read_jsonl
 
 pytestmark = pytest.mark.mpi
 
@@ -43,10 +44,10 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()}")
-        if path.exists():
-            lines = path.read_text().splitlines()
-            if lines and json.loads(lines[-1])["step"] >= step:
-                return json.loads(lines[-1])["step"]
+        if path.exists():  # rank 0 is appending to it: read as `hpctrain report` does (a torn last line skipped)
+            lines = read_jsonl(path)
+            if lines and lines[-1]["step"] >= step:
+                return lines[-1]["step"]
         time.sleep(0.01)
     raise AssertionError(f"step {step} not reached")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 
 from conftest import PYTHON, hpctrain, mpi_env, summary
 from hpctrain.control import checkpoint as ckpt
+from hpctrain.tools.report import read_jsonl
 
 pytestmark = pytest.mark.mpi
 # paced steps (>= 25 ms): the stop sent at step 26 lands inside epoch 1 (steps 23..45) on a loaded node too
@@ -31,8 +31,9 @@ def test_four_ranks_to_two_mid_epoch(tmp_path: Path) -> None:
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while time.time() < deadline:
-        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-        if lines and json.loads(lines[-1])["step"] >= 26:  # epoch 1 has steps 23..45 on 4 ranks
+        # rank 0 is appending to it: read as `hpctrain report` does (a torn last line skipped)
+        lines = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+        if lines and lines[-1]["step"] >= 26:  # epoch 1 has steps 23..45 on 4 ranks
             break
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.02)
