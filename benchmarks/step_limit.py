@@ -238,6 +238,22 @@ def _train_s(data: Path, run: Path, steps: int, extra: tuple[str, ...] = ()) -> 
     return wall, json.loads((run / "summary.json").read_text())["train_time_s"]
 
 
+def _shard(tmp: Path) -> Path:
+    """The reference workload's synthetic data in `tmp`/data: 200 steps an epoch, a shard per rank, no validation."""
+    data = tmp / "data"
+    subprocess.run([sys.executable, "-m", "hpctrain", "shard", f"synthetic:{RANKS * BATCH * 200}:{FEATURES}:{CLASSES}",
+                    str(data), "--shards", str(RANKS), "--val-fraction", "0"], check=True, capture_output=True)
+    return data
+
+
+def _train_step_ms(data: Path, where: Path, long: int, extra: tuple[str, ...] = ()) -> tuple[float, float]:
+    """`train`'s ms a step from outside: (the launches' wall time, the loops' `train_time_s`) of a `long`-step run
+    minus a 40-step run, over the step difference; the runs in `where`."""
+    long_s = _train_s(data, where / "long", long, extra)
+    short_s = _train_s(data, where / "short", 40, extra)
+    return ((long_s[0] - short_s[0]) / (long - 40) * 1e3, (long_s[1] - short_s[1]) / (long - 40) * 1e3)
+
+
 LOOPS = ("limit", "train", "train_zero1", "handwritten", "api", "ddp", "horovod")
 
 
@@ -313,9 +329,7 @@ def main() -> None:
                                                     "raw_allreduce", "raw_allreduce_back_to_back", "train",
                                                     "train_loop", "train_zero1", *kinds[1:]]}
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        subprocess.run([sys.executable, "-m", "hpctrain", "shard", f"synthetic:{RANKS * BATCH * 200}:{FEATURES}:{CLASSES}",
-                        str(data), "--shards", str(RANKS), "--val-fraction", "0"], check=True, capture_output=True)
+        data = _shard(Path(tmp))
         def limit() -> None:
             got = _mpirun(sys.executable, "plain", args.steps)
             rows["plain"].append(got["step_ms"])
@@ -330,11 +344,10 @@ def main() -> None:
 
         def train(r: int, kind: str = "train") -> None:
             extra = ("--zero", "1") if kind == "train_zero1" else ()
-            long_s = _train_s(data, Path(tmp) / f"long{kind}{r}", args.long, extra)
-            short_s = _train_s(data, Path(tmp) / f"short{kind}{r}", 40, extra)
-            rows[kind].append((long_s[0] - short_s[0]) / (args.long - 40) * 1e3)
+            wall_ms, loop_ms = _train_step_ms(data, Path(tmp) / f"{kind}{r}", args.long, extra)
+            rows[kind].append(wall_ms)
             if kind == "train":
-                rows["train_loop"].append((long_s[1] - short_s[1]) / (args.long - 40) * 1e3)
+                rows["train_loop"].append(loop_ms)
 
         if args.loops:
             _some_loops(args, _loops(args), rows, limit, train)

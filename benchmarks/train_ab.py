@@ -17,13 +17,12 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_limit import BATCH, CLASSES, FEATURES, RANKS, _train_s  # noqa: E402
+from step_limit import RANKS, _shard, _train_step_ms  # noqa: E402
 
 
 def main() -> None:
@@ -40,15 +39,12 @@ def main() -> None:
     wall: dict[str, list[float]] = {"A": [], "B": []}
     loop: dict[str, list[float]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        subprocess.run([sys.executable, "-m", "hpctrain", "shard", f"synthetic:{RANKS * BATCH * 200}:{FEATURES}:{CLASSES}",
-                        str(data), "--shards", str(RANKS), "--val-fraction", "0"], check=True, capture_output=True)
+        data = _shard(Path(tmp))
         for r in range(args.rounds):
             for k in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                long_s = _train_s(data, Path(tmp) / f"long{k}{r}", args.long, flags[k])
-                short_s = _train_s(data, Path(tmp) / f"short{k}{r}", 40, flags[k])
-                wall[k].append((long_s[0] - short_s[0]) / (args.long - 40) * 1e3)
-                loop[k].append((long_s[1] - short_s[1]) / (args.long - 40) * 1e3)
+                wall_ms, loop_ms = _train_step_ms(data, Path(tmp) / f"{k}{r}", args.long, flags[k])
+                wall[k].append(wall_ms)
+                loop[k].append(loop_ms)
             print(f"round {r + 1}/{args.rounds}: A {wall['A'][-1]:.2f} ms, B {wall['B'][-1]:.2f} ms", file=sys.stderr,
                   flush=True)
     ratios = [b / a for a, b in zip(wall["A"], wall["B"])]
