@@ -14,6 +14,12 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
   A loop's step is the mean of its steps on its slowest rank, since `train`'s wall-time difference is a mean
   too: its slow steps count, and so must the limit's (the mean of a plain loop is 3-8 % above its median
   here). The limit of the medians is printed beside it;
+- the limit in lockstep (`limit_in_lockstep`, printed beside, not the limit): the plain loop with an MPI
+  `Barrier` at the end of every step (`lockstep`), plus the same raw allreduce. A synchronous step cannot
+  end before the slower rank's: the barrier makes every step the slower rank's, which two free-running
+  plain loops never pay. `lockstep` minus `plain` is that cost alone; `train` over `limit_in_lockstep` is
+  what hpctrain adds to a synchronous step on top of what the hardware does (`benchmarks/lockstep.py` splits
+  the same cost by phase, over medians of fewer steps);
 - the loop a user writes by hand: the same plain step with one raw in-place `Allreduce` of each gradient
   between backward and the optimizer step (not the limit: it also pays the ranks' waits for each other's
   slowest step, every step, which the limit's separately timed loops leave out);
@@ -137,7 +143,7 @@ def worker(kind: str, steps: int) -> None:
         opt = hpctrain.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True),
                                             model)
         gather = lambda v: float(ctx.comm.allreduce_array([v], op="max")[0])  # noqa: E731
-    else:  # plain torch (then one raw allreduce of all gradient bytes), or the hand-written loop
+    else:  # plain torch (then one raw allreduce of all gradient bytes), in lockstep, or the hand-written loop
         from mpi4py import MPI
         import numpy as np
 
@@ -154,6 +160,8 @@ def worker(kind: str, steps: int) -> None:
             for p in reversed(params):
                 MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
         opt.step()
+        if kind == "lockstep":
+            MPI.COMM_WORLD.Barrier()
 
     mean_s, median_s = _timed(step, batches, steps)
     out["step_ms"], out["median_step_ms"] = gather(mean_s) * 1e3, gather(median_s) * 1e3
@@ -325,7 +333,8 @@ def main() -> None:
     if args.loops:
         _loops(args)  # a bad list fails now, not after the data is written
     kinds = ["plain", "handwritten", "api", "ddp"] + (["horovod"] if args.horovod_python else [])
-    rows: dict[str, list[float]] = {k: [] for k in ["limit", "limit_of_medians", "limit_back_to_back", "plain",
+    rows: dict[str, list[float]] = {k: [] for k in ["limit", "limit_of_medians", "limit_back_to_back",
+                                                    "limit_in_lockstep", "plain", "lockstep",
                                                     "raw_allreduce", "raw_allreduce_back_to_back", "train",
                                                     "train_loop", "train_zero1", *kinds[1:]]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -341,6 +350,8 @@ def main() -> None:
             rows["limit_back_to_back"].append(got["step_ms"] + got["raw_allreduce_back_to_back_ms"])
             rows["limit"].append(got["step_ms"] + ar["raw_allreduce_ms"])
             rows["limit_of_medians"].append(got["median_step_ms"] + ar["median_raw_allreduce_ms"])
+            rows["lockstep"].append(_mpirun(sys.executable, "lockstep", args.steps)["step_ms"])
+            rows["limit_in_lockstep"].append(rows["lockstep"][-1] + ar["raw_allreduce_ms"])
 
         def train(r: int, kind: str = "train") -> None:
             extra = ("--zero", "1") if kind == "train_zero1" else ()
@@ -373,6 +384,8 @@ def main() -> None:
     ratios = {f"{k}_over_limit": [a / b for a, b in zip(rows[k], rows["limit"])] for k in ("train", "train_loop", "train_zero1", "api", "handwritten")}
     ratios["train_over_limit_of_medians"] = [a / b for a, b in zip(rows["train"], rows["limit_of_medians"])]
     ratios["train_over_limit_back_to_back"] = [a / b for a, b in zip(rows["train"], rows["limit_back_to_back"])]
+    ratios["train_over_limit_in_lockstep"] = [a / b for a, b in zip(rows["train"], rows["limit_in_lockstep"])]
+    ratios["lockstep_over_plain"] = [a / b for a, b in zip(rows["lockstep"], rows["plain"])]
     ratios["train_over_handwritten"] = [a / b for a, b in zip(rows["train"], rows["handwritten"])]
     for k in ("ddp", "horovod"):
         if rows.get(k):
@@ -389,6 +402,8 @@ def main() -> None:
     print(f"  limit             {med['limit']:7.2f} ms  (plain torch {med['plain']:.2f} + raw allreduce in the step "
           f"{med['raw_allreduce']:.2f}: mean steps; of their medians {med['limit_of_medians']:.2f}; with the "
           f"allreduce back to back, {med['raw_allreduce_back_to_back']:.2f} ms: {med['limit_back_to_back']:.2f})")
+    print(f"  limit_in_lockstep {med['limit_in_lockstep']:7.2f} ms  (plain torch with a barrier a step "
+          f"{med['lockstep']:.2f} + the same allreduce: not the limit, what a synchronous step cannot beat)")
     for k in ("handwritten", "train", "train_loop", "train_zero1", "api", "ddp", "horovod"):
         if rows.get(k):
             print(f"  {k:<17} {med[k]:7.2f} ms")
