@@ -176,7 +176,9 @@ _AFTERMATH = (b"MPI_ABORT was invoked", b"Primary job  terminated normally, but"
 _AFTERMATH_LINE = re.compile(rb"^\[[^\]\s]+:\d+\] (.*ORTE_ERROR_LOG|\d+ more process(es)? ha(s|ve) sent help message|"
                              rb"Set MCA parameter \"orte_base_help_aggregate\")")
 _RANK_SAID = re.compile(rb"^(error: |stopped (by|at|during) )")  # a rank's one line: a failure or a stop
-_FORWARDING = re.compile(rb"^mpirun: Forwarding signal \d+ to job")  # the launcher said so itself
+# mpirun's note that it passed a signal on (the launcher says so itself, in words). mpirun writes it in one
+# write() at any byte of a rank's output, which shares the pipe: in the middle of a progress line too.
+_FORWARDING = re.compile(rb"mpirun: Forwarding signal \d+ to job\n")
 
 
 class MpirunFilter:
@@ -196,6 +198,8 @@ class MpirunFilter:
 
     def feed(self, data: bytes) -> None:
         self.pending += data
+        if b"Forwarding" in self.pending:
+            self.pending = _FORWARDING.sub(b"", self.pending)
         while b"\n" in self.pending:
             line, self.pending = self.pending.split(b"\n", 1)
             self._line(line + b"\n")
@@ -220,8 +224,6 @@ class MpirunFilter:
             self.block = [line]
         elif _AFTERMATH_LINE.match(line):
             self.held.append(line)
-        elif _FORWARDING.match(line):
-            pass
         else:
             self.out(line)
 
