@@ -13,8 +13,10 @@ from __future__ import annotations
 import faulthandler
 import functools
 import math
+import os
 import signal
 import sys
+import threading
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
@@ -28,6 +30,32 @@ def edge_budget(collective_timeout: float) -> float:
     teardown (importing torch, freeing its memory), which on an oversubscribed, busy node takes more than a
     short --collective-timeout while nothing is wrong; a rank stopped there is still found, a minute later."""
     return 0.0 if collective_timeout <= 0 else max(collective_timeout, EDGE_FLOOR_S)
+
+
+def wakeup_pipe() -> tuple[int, int, int] | None:
+    """(read end, write end, the previous wakeup fd) of a pipe that receives the number of each signal Python
+    handles (signal.set_wakeup_fd), so that a thread sleeping in select() on it wakes at once; None off the
+    main thread (library use: the caller owns the process's signals). Give back with `close_wakeup_pipe`."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:
+        os.close(read)
+        os.close(write)
+        return None
+    return read, write, previous
+
+
+def close_wakeup_pipe(pipe: tuple[int, int, int]) -> None:
+    """Put back the wakeup fd `wakeup_pipe` replaced, and close its pipe (on the main thread)."""
+    read, write, previous = pipe
+    signal.set_wakeup_fd(previous)
+    os.close(read)
+    os.close(write)
 
 
 class StopFlag:

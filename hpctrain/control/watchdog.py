@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ..base.durable import write_text
 from ..base.errors import HpctrainError
-from ..base.stop import STOP_SIGNALS
+from ..base.stop import STOP_SIGNALS, close_wakeup_pipe, wakeup_pipe
 from ..base.threads import join_logged
 from ..trace.flight import RECORDER
 from ..trace.lineup import line_up, read_dumps
@@ -88,7 +88,7 @@ class Watchdog:
                 self._beat()
             except OSError:
                 pass
-            self._wakeup = _wakeup_pipe()
+            self._wakeup = wakeup_pipe()
             self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -131,12 +131,9 @@ class Watchdog:
         join_logged(self._thread, 5 * self.interval + 5, "heartbeat")
         self._thread = None
         if self._wakeup is not None:
-            read, write, previous = self._wakeup
-            self._wakeup = None
+            pipe, self._wakeup = self._wakeup, None
             if threading.current_thread() is threading.main_thread():
-                signal.set_wakeup_fd(previous)
-                os.close(read)
-                os.close(write)
+                close_wakeup_pipe(pipe)
         if self.dir is not None:
             try:
                 (self.dir / f"rank-{self.rank:04d}.heartbeat").unlink()
@@ -260,23 +257,6 @@ class Watchdog:
         if self.log is not None:
             self.log(message)
         self.abort(1)
-
-
-def _wakeup_pipe() -> tuple[int, int, int] | None:
-    """A pipe that receives the number of each signal Python handles (signal.set_wakeup_fd), or None off the
-    main thread (library use: the caller owns the process's signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    read, write = os.pipe()
-    os.set_blocking(read, False)
-    os.set_blocking(write, False)
-    try:
-        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    except ValueError:
-        os.close(read)
-        os.close(write)
-        return None
-    return read, write, previous
 
 
 def end_job(comm: Any, error: HpctrainError) -> None:

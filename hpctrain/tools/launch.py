@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..base.rankenv import read_env
 from ..base.errors import ConfigError, HpctrainError
-from ..base.stop import FLAG, STOP_EXIT, block_prefix
+from ..base.stop import FLAG, STOP_EXIT, block_prefix, close_wakeup_pipe, wakeup_pipe
 
 # hpctrain subcommands: a COMMAND starting with one of these runs as `python -m hpctrain ...`.
 SUBCOMMANDS = ("train", "shard", "verify", "doctor", "bench", "report")
@@ -128,16 +129,17 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
         print("hpctrain launch: a stop signal came before the job started; nothing was run", file=sys.stderr, flush=True)
         return STOP_EXIT
     proc, pump = _start(argv, {**os.environ, **env})
+    waiter = JobWaiter(proc)
     try:
         while True:
             if to_forward and catches(proc.pid, signal.SIGUSR2):
                 to_forward = False
                 _send(proc.pid, signal.SIGUSR2)
-            try:
-                code = proc.wait(timeout=0.2)
+            now = time.monotonic()
+            until = next_look if deadline is None else min(next_look, deadline)
+            code = waiter.wait(0.05 if to_forward else until - now)
+            if code is not None:
                 return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
-            except subprocess.TimeoutExpired:
-                pass
             now = time.monotonic()
             if now >= next_look:  # once a second: ranks stopped (SIGSTOP) while the others have exited?
                 next_look = now + 1.0
@@ -161,6 +163,7 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
                     kill_tree(proc.pid)
                     deadline = None
     finally:
+        waiter.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if proc.poll() is None:  # the launcher itself failed: leave nothing running
@@ -260,6 +263,48 @@ def _to_stderr(data: bytes) -> None:
     sys.stderr.flush()
     stream.write(data)
     stream.flush()
+
+
+class JobWaiter:
+    """The launcher's sleep between its looks at the job: until mpirun exits (a pidfd), a signal comes (the
+    wakeup pipe: the handler has run) or the timeout, so that a running job costs the launcher one wake-up
+    a second. `Popen.wait(timeout)` polls instead, about 25 times a second here, and each wake-up takes the
+    core of a rank for a moment (a synchronous step then waits for that rank). Where pidfds or the wakeup
+    fd are not to be had (Linux before 5.3, off the main thread), it polls as Popen does."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]):
+        self.proc = proc
+        self.pipe: tuple[int, int, int] | None = None
+        try:
+            self.pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+        if self.pidfd is not None:
+            self.pipe = wakeup_pipe()
+
+    def wait(self, timeout: float) -> int | None:
+        """The job's exit code once it has ended, else None after at most `timeout` seconds."""
+        timeout = max(0.0, timeout)
+        if self.pidfd is None or self.pipe is None:
+            try:
+                return self.proc.wait(timeout=min(timeout, 0.2))
+            except subprocess.TimeoutExpired:
+                return None
+        ready, _, _ = select.select([self.pidfd, self.pipe[0]], [], [], timeout)
+        if self.pipe[0] in ready:
+            try:
+                os.read(self.pipe[0], 512)
+            except OSError:
+                pass
+        return self.proc.poll()
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            close_wakeup_pipe(self.pipe)
+            self.pipe = None
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _start(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], threading.Thread]:

@@ -151,6 +151,35 @@ def test_a_rank_stopped_after_the_others_exited_does_not_hold_the_job(tmp_path: 
     assert proc.returncode != 0 and "stopped (SIGSTOP)" in proc.stderr, (proc.returncode, proc.stderr)
 
 
+def wakeups(pid: int) -> int:
+    """Times the main thread of process `pid` has gone to sleep by itself so far (its voluntary switches)."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(text.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_the_launcher_sleeps_while_its_job_runs_and_still_answers_a_stop_at_once(tmp_path: Path) -> None:
+    """The launcher shares the node's cores with the ranks: while the job runs it wakes once a second (its
+    look for stopped ranks), where a polling wait woke about 25 times a second. A stop signal still wakes it at
+    once, and the job ends as a stopped one (the ranks here are `sleep`, which SIGUSR2 ends)."""
+    proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "1", "--", "sleep", "30"], env=mpi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.0)  # the launcher is in its loop
+        before = wakeups(proc.pid)
+        time.sleep(3.0)
+        woke = wakeups(proc.pid) - before
+        assert woke <= 8, f"the launcher woke {woke} times in 3 s"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 10, err
+        assert "hpctrain launch: SIGTERM" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_stop_in_a_rank_s_first_milliseconds_is_kept_not_fatal(digits2: Path, tmp_path: Path) -> None:
     """SIGTERM to a rank the moment it exists, while its interpreter starts and long before it could install a
     handler: the rank starts with the stop signals blocked (pending, not lost) and takes them once its handler
