@@ -128,16 +128,14 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
             signal.signal(sig, handler)
         print("hpctrain launch: a stop signal came before the job started; nothing was run", file=sys.stderr, flush=True)
         return STOP_EXIT
-    proc, pump = _start(argv, {**os.environ, **env})
-    waiter = JobWaiter(proc)
+    proc, pump, waiter = _start(argv, {**os.environ, **env})
     try:
         while True:
             if to_forward and catches(proc.pid, signal.SIGUSR2):
                 to_forward = False
                 _send(proc.pid, signal.SIGUSR2)
-            now = time.monotonic()
             until = next_look if deadline is None else min(next_look, deadline)
-            code = waiter.wait(0.05 if to_forward else until - now)
+            code = waiter.wait(0.05 if to_forward else until - time.monotonic())
             if code is not None:
                 return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
             now = time.monotonic()
@@ -307,13 +305,13 @@ class JobWaiter:
             self.pidfd = None
 
 
-def _start(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], threading.Thread]:
-    """mpirun in its own session, its stderr read through `MpirunFilter` by a thread."""
+def _start(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], threading.Thread, JobWaiter]:
+    """mpirun in its own session, its stderr read through `MpirunFilter` by a thread, and the launcher's sleep."""
     proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE)
     pump = threading.Thread(target=MpirunFilter(_to_stderr).pump, args=(proc.stderr,), name="hpctrain-launch-stderr",
                             daemon=True)
     pump.start()
-    return proc, pump
+    return proc, pump, JobWaiter(proc)
 
 
 def _send(pid: int, sig: int) -> None:
