@@ -28,3 +28,11 @@ def test_every_zero_reducer_leaves_each_rank_its_slice_of_the_sum(n: int) -> Non
     """The ring reducer beside MPI's three: equal and unequal slices, fp32 and 16-bit, and the probe times all."""
     proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "reducers_check.py")], python_module=False, timeout=120)
     assert f"REDUCERS OK {n}" in proc.stdout and " ring " in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_allreduce_in_pieces_on_one_node_sums_as_one_whole_allreduce(n: int) -> None:
+    """fp32 and 16-bit wires, pieces that do not divide the bucket, the same bits on every rank."""
+    proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "pieces_check.py")], python_module=False, timeout=120)
+    assert f"PIECES OK {n}" in proc.stdout, proc.stdout + proc.stderr
