@@ -266,7 +266,7 @@ def _to_stderr(data: bytes) -> None:
 class JobWaiter:
     """The launcher's sleep between its looks at the job: until mpirun exits (a pidfd), a signal comes (the
     wakeup pipe: the handler has run) or the timeout, so that a running job costs the launcher one wake-up
-    a second. `Popen.wait(timeout)` polls instead, about 25 times a second here, and each wake-up takes the
+    a second. `Popen.wait(timeout)` polls instead, about 45 times a second here, and each wake-up takes the
     core of a rank for a moment (a synchronous step then waits for that rank). Where pidfds or the wakeup
     fd are not to be had (Linux before 5.3, off the main thread), it polls as Popen does."""
 
