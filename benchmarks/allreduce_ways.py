@@ -6,9 +6,10 @@ into a fresh copy of the gradient after 70 MB of other memory was written (as a 
 SGD stream memory before the next sum), after a barrier; every way is timed in every round, the order
 reversed every other round, and each way's figure is the median over the rounds of its rounds' medians (the
 slowest rank's):
-- `mpi pieces`: MPI's in-place Allreduce in 1 MiB pieces, as the engine sums a host bucket on one node
-  (`Collectives._sum_in_pieces`), the reference the others are divided by;
-- `mpi whole`: one Allreduce of the whole buffer (the engine's before 75464c4, and its way over a network);
+- `mpi pieces`: the engine's own sum (`Collectives.allreduce`), an in-place MPI Allreduce per 1 MiB piece on
+  one node, the reference the others are divided by;
+- `mpi whole`: the engine's sum with pieces off, one Allreduce of the whole buffer (its way before 75464c4,
+  and over a network);
 - `ring whole`, `ring pieces`: a reduce-scatter then an allgather around the ring of ranks, each an
   MPI_Sendrecv of one slice per exchange (a single copy from the peer's memory in Open MPI's vader BTL),
   the received slice added by torch; whole or in 1 MiB pieces. The fewest bytes moved on 2 ranks: each rank
@@ -23,12 +24,16 @@ MPI's own algorithms for the pieces are chosen from outside, by Open MPI's varia
 `mpirun -n 2 -x OMPI_MCA_coll_tuned_use_dynamic_rules=1 -x OMPI_MCA_coll_tuned_allreduce_algorithm=N`
 (1 basic linear, 2 nonoverlapping, 3 recursive doubling, 4 ring, 5 segmented ring, 6 Rabenseifner).
 
-Measured on the 2-core CI machine (2026-12-06, 2 ranks; docs/performance.md): `mpi pieces` 4.34 and 4.40 ms
-with `train`'s memory settings, 5.41 with `--plain-memory` (glibc's and torch's defaults, as a script without
-hpctrain has them); against it `mpi whole` 1.07-1.12x, the ring 1.13-1.21x whole or in pieces, the window
-1.45-1.92x. Open MPI's own algorithms for the pieces (`train`'s memory, the command above): 7.3-8.7 ms for
-1-3, 3.95-4.2 for 4-6, its default choice 4.06-4.13 in the same minutes. A torch copy or add of half the
-buffer takes 1.1-1.2 ms here: the sum is bound by memory, and the engine's way is the fastest measured.
+Measured on the 2-core CI machine (2026-12-06, 2 ranks; docs/performance.md). At 10:30, with the engine's
+piece loop copied into this script: `mpi pieces` 4.34 and 4.40 ms with `train`'s memory settings, 5.41 with
+`--plain-memory` (glibc's and torch's defaults, as a script without hpctrain has them); against it `mpi whole`
+1.07-1.12x, the ring 1.13-1.21x, the window 1.45-1.92x; Open MPI's own algorithms for the pieces 7.3-8.7 ms
+for 1-3, 3.95-4.2 for 4-6, its default choice 4.06-4.13. At noon, calling the engine as now, three launches:
+`mpi pieces` 5.8-6.8 ms, `mpi whole` 0.88-1.03x of it, the ring whole 0.90-1.04x, in pieces 1.02-1.25x, the
+window 1.16-1.38x (the copied loop in the same minutes: whole 0.93-0.96x of pieces). So no way is reliably
+faster than the engine's; whether pieces beat one whole Allreduce of the raw sum moves with the machine's hour
+(in `train`'s step, `benchmarks/allreduce_pieces.py`: 0.970-1.000 in four launches that morning, 1.006 at
+noon). A torch copy or add of half the buffer takes 1.1-1.2 ms here: the sum is bound by memory.
 
     mpirun -n 2 python benchmarks/allreduce_ways.py [--rounds 4] [--iters 15] [--plain-memory] [--json]
 """
@@ -51,8 +56,11 @@ if "--plain-memory" not in sys.argv:  # before torch allocates: it reads its hug
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from hpctrain.comm import Comm  # noqa: E402
+from hpctrain.comm.collectives import PIECE_BYTES, Collectives  # noqa: E402
+
 NUMEL = 23_298_088 // 4  # the reference MLP's (784-2048-2048-10) gradient, float32
-PIECE = (1 << 20) // 4  # 1 MiB of float32: the engine's piece
+PIECE = PIECE_BYTES // 4  # the engine's piece, in float32
 
 
 class Ways:
@@ -60,6 +68,8 @@ class Ways:
 
     def __init__(self, comm: MPI.Comm):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        self.pieces, self.whole = Collectives(Comm(comm)), Collectives(Comm(comm))
+        self.pieces.piece_bytes, self.whole.piece_bytes = PIECE_BYTES, 0  # as on one node, and as without pieces
         self.tmp = torch.empty(NUMEL)
         self.win = MPI.Win.Allocate_shared(NUMEL * 4, 4, comm=comm)
         self.segs = [torch.frombuffer(self.win.Shared_query(q)[0], dtype=torch.float32, count=NUMEL)
@@ -71,11 +81,10 @@ class Ways:
         self.win.Free()
 
     def mpi_whole(self, t: torch.Tensor) -> None:
-        self.comm.Allreduce(MPI.IN_PLACE, [t.numpy(), MPI.FLOAT])
+        self.whole.allreduce(t, t, MPI.SUM)
 
     def mpi_pieces(self, t: torch.Tensor) -> None:
-        for at in range(0, t.numel(), PIECE):
-            self.comm.Allreduce(MPI.IN_PLACE, [t[at:at + PIECE].numpy(), MPI.FLOAT])
+        self.pieces.allreduce(t, t, MPI.SUM)
 
     def ring_whole(self, t: torch.Tensor) -> None:
         self._ring(t)
@@ -129,7 +138,7 @@ NAMES = ("mpi_pieces", "mpi_whole", "ring_whole", "ring_pieces", "window")
 def _check(ways: Ways, grad: torch.Tensor) -> None:
     comm = ways.comm
     ref = grad.clone()
-    ways.mpi_whole(ref)
+    comm.Allreduce(MPI.IN_PLACE, [ref.numpy(), MPI.FLOAT])
     for name in NAMES:
         t = grad.clone()
         getattr(ways, name)(t)

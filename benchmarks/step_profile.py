@@ -9,7 +9,7 @@
   callees (what each step calls besides the step, and for how long) and the functions with the most time of
   their own.
       mpirun -n 2 python benchmarks/step_profile.py train --data DIR --run-dir RUN --max-steps 300 ...
-- `trace RUN`: a traced run's `RUN/trace.json` (`train ... --trace A:B`) step by step: each rank's phases,
+- `trace RUN`: a traced run's timelines (`RUN/trace/rank-*.json`, `train ... --trace A:B`) step by step: each rank's phases,
   the time between one step's optimizer and the next step's batch (the agreement, the scheduler, the run
   log), the gaps between phases, and their medians.
       python benchmarks/step_profile.py trace RUN
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import cProfile
-import json
 import os
 import pstats
 import statistics
@@ -92,32 +91,33 @@ def train(argv: list[str]) -> None:
 
 
 def trace(run: Path) -> None:
-    events = [e for e in json.loads((run / "trace.json").read_text())["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") == "phase"]
-    spans: dict[tuple[int, int], dict[str, tuple[float, float]]] = collections.defaultdict(dict)
-    for e in events:
-        spans[(e["pid"], e["args"]["step"])][e["name"]] = (e["ts"] / 1e3, e["dur"] / 1e3)
-    ranks = sorted({pid for pid, _ in spans})
-    steps = sorted({step for _, step in spans})
-    print("step  " + " | ".join("rank %d: " % r + " ".join(f"{p[:6]:>6}" for p in PHASES) + "  between" for r in ranks))
+    from hpctrain.trace.chrome import read_ranks
+
+    docs = read_ranks(run / "trace")
+    if not docs:
+        raise SystemExit(f"{run / 'trace'} holds no timeline files: trace the run (`train ... --trace A:B`)")
+    # {rank: {step: {phase: (start, end) in ms}}}: each rank's spans on its own clock, which is all a gap needs
+    spans = {d["rank"]: {st["step"]: {name: (a * 1e3, b * 1e3) for name, _ident, a, b, _args in st["spans"]}
+                         for st in d["steps"]} for d in docs}
+    steps = sorted({step for per in spans.values() for step in per})
+    print("step  " + " | ".join(f"rank {r}: " + " ".join(f"{p[:6]:>6}" for p in PHASES) + "  between" for r in spans))
     between: dict[int, list[float]] = collections.defaultdict(list)
     inside: dict[int, list[float]] = collections.defaultdict(list)
     for step in steps:
         cells = []
-        for r in ranks:
-            now, nxt = spans.get((r, step), {}), spans.get((r, step + 1), {})
-            row = " ".join(f"{now[p][1]:6.2f}" if p in now else "     -" for p in PHASES)
+        for r, per in spans.items():
+            now, nxt = per.get(step, {}), per.get(step + 1, {})
+            row = " ".join(f"{now[p][1] - now[p][0]:6.2f}" if p in now else "     -" for p in PHASES)
             gap = "      -"
             if "optimizer" in now and "data wait" in nxt:
-                g = nxt["data wait"][0] - sum(now["optimizer"])
-                between[r].append(g)
-                gap = f"{g:7.3f}"
+                between[r].append(nxt["data wait"][0] - now["optimizer"][1])
+                gap = f"{between[r][-1]:7.3f}"
             if all(p in now for p in PHASES):
-                inside[r].append(sum(now[b][0] - sum(now[a]) for a, b in zip(PHASES, PHASES[1:])))
+                inside[r].append(sum(now[b][0] - now[a][1] for a, b in zip(PHASES, PHASES[1:])))
             cells.append(f"rank {r}: {row}  {gap}")
         print(f"{step:<5} " + " | ".join(cells))
-    for r in ranks:
-        medians = {p: statistics.median([v[p][1] for (rr, _), v in spans.items() if rr == r and p in v]) for p in PHASES}
+    for r, per in spans.items():
+        medians = {p: statistics.median([v[p][1] - v[p][0] for v in per.values() if p in v]) for p in PHASES}
         print(f"rank {r} medians (ms): " + ", ".join(f"{p} {m:.2f}" for p, m in medians.items())
               + (f"; between steps {statistics.median(between[r]):.3f}" if between[r] else "")
               + (f"; between phases {statistics.median(inside[r]):.3f}" if inside[r] else ""))
