@@ -19,7 +19,10 @@ Each mode keeps its own parameters and optimizer state (their sums are the same 
 stay in sync). It prints each mode's median ms a step over the blocks, and in how many blocks each other mode
 beat `after`.
 
-    mpirun -n 2 python benchmarks/step_order.py [--blocks 16] [--steps 30] [--json]
+    mpirun -n 2 python benchmarks/step_order.py [--blocks 16] [--steps 30] [--train-memory] [--json]
+
+`--train-memory` gives the process `train`'s allocator settings (hpctrain/base/hostmem.py: huge pages for
+large tensors, freed memory kept for the next step), under which the sums run as in `train`.
 """
 
 from __future__ import annotations
@@ -135,8 +138,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30, help="steps a block")
+    ap.add_argument("--train-memory", action="store_true", help="`train`'s allocator settings (before any tensor)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.train_memory:
+        from hpctrain.base import hostmem
+
+        hostmem.prefer_huge_pages()
+        hostmem.reuse_freed_memory()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     gen = torch.Generator().manual_seed(1 + comm.rank)
