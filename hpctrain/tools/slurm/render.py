@@ -10,6 +10,9 @@ is the same script as a job array: the supervisor of each element is given the s
 from __future__ import annotations
 
 import shlex
+import unicodedata
+from dataclasses import fields
+from pathlib import Path
 from typing import Any, Sequence
 
 from ...base.errors import ConfigError
@@ -82,7 +85,7 @@ def _launch_parts(cfg: SubmitConfig, command: Sequence[str]) -> list[list[str]]:
 
 def sbatch_parameters(cfg: SubmitConfig, command: Sequence[str]) -> dict[str, Any]:
     """The keyword arguments of submitit's sbatch writer for this job (the valid ones are its parameters)."""
-    _check_resolved(cfg)
+    check_inputs(cfg, command)
     setup = ["export CUDA_DEVICE_ORDER=PCI_BUS_ID", f"export OMP_NUM_THREADS={cfg.cpus_per_task}"]
     setup += [f"export {item.partition('=')[0]}={shlex.quote(item.partition('=')[2])}" for item in cfg.env]
     if cfg.sweep:  # what each element runs, for the reader (the supervisor reads it from the sweep file)
@@ -110,14 +113,33 @@ def sbatch_parameters(cfg: SubmitConfig, command: Sequence[str]) -> dict[str, An
     return params
 
 
-def _check_resolved(cfg: SubmitConfig) -> None:
+def check_inputs(cfg: SubmitConfig, command: Sequence[str]) -> None:
+    """Refuse what cannot be written into the script: an unresolved `auto`, and a control character in any value
+    that reaches it. Every text field of the config is checked, not a list of them, so a new one is covered: a
+    newline in `--account` would otherwise end its `#SBATCH` line, and sbatch reads the next line, the user's
+    text, as a directive of its own; quoting cannot help there, since sbatch reads directives line by line."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, (str, Path)):
+                _refuse_control(f"--{f.name.replace('_', '-')}", str(item))
+    for i, arg in enumerate(command):
+        _refuse_control(f"COMMAND argument {i + 1}", str(arg))
     if not isinstance(cfg.cpus_per_task, int):
         raise ConfigError(f"--cpus-per-task {cfg.cpus_per_task!r} is resolved before the script is written "
                           "(hpctrain.tools.slurm.cpus.with_cpus asks sinfo): pass a number, or resolve it first")
 
 
+def _refuse_control(what: str, text: str) -> None:
+    bad = next((c for c in text if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise ConfigError(f"{what} {text!r} holds a control character ({bad!r}), which would break the batch script "
+                          "(a newline starts a line sbatch reads as a directive of its own): remove it")
+
+
 def batch_command(cfg: SubmitConfig, command: Sequence[str]) -> str:
     """The script's last line: the supervisor replaces the batch shell and starts the ranks."""
+    check_inputs(cfg, command)
     supervisor = [cfg.python, "-u", "-m", "hpctrain.tools.slurm", "supervise", "--folder", str(cfg.folder),
                   "--max-requeues", str(cfg.max_requeues), "--signal-delay", str(cfg.signal_delay_s)]
     if cfg.sweep:  # each element appends its combination's flags to COMMAND, read there by its array index
