@@ -45,8 +45,7 @@ def build_command(n: int, command: Sequence[str], *, mpirun: str, cpus: int, is_
 
     An hpctrain subcommand runs behind `block` (`stop.block_prefix()`): it starts with the stop signals
     blocked, so one that mpirun forwards while the rank's interpreter starts is pending, not fatal."""
-    if n < 1:
-        raise ConfigError(f"-n {n} must be at least 1 rank")
+    check_ranks(n)
     if not command:
         raise ConfigError("no COMMAND given: write e.g. `hpctrain launch -n 2 -- train --data data/ --run-dir runs/a`")
     argv = [mpirun, "-n", str(n), "--bind-to", "none"]
@@ -63,6 +62,12 @@ def build_command(n: int, command: Sequence[str], *, mpirun: str, cpus: int, is_
     return argv, env
 
 
+def check_ranks(n: int) -> None:
+    """Refuse a rank count no job can have, before anything (the shard check: it divides by it) uses it."""
+    if n < 1:
+        raise ConfigError(f"-n {n} must be at least 1 rank")
+
+
 def precheck_train(data: Any, init_weights: Any, n: int, split: int = 1) -> None:
     """What `train` on `n` ranks would refuse at start-up and needs no MPI, checked once before mpirun starts
     them: the data is there and its shards divide among the ranks, the --init-weights file exists. A model
@@ -70,6 +75,7 @@ def precheck_train(data: Any, init_weights: Any, n: int, split: int = 1) -> None
     layouts fit depends on it)."""
     from ..data.shardformat import load_manifest
 
+    check_ranks(n)
     shards = load_manifest(data)
     if split == 1:
         shards.check_world(n)
