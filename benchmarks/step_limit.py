@@ -8,18 +8,16 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
   code), each timing every step, then one raw mpi4py `Allreduce` of all gradient bytes (added to the step
   where overlap cannot hide it: one core per rank), timed where a step has it: between backward and the
   optimizer step of the same plain step, on one buffer the fresh gradients were copied into, after a barrier
-  (neither timed), in a process of its own with hpctrain's allocator settings (the faster for it here).
-  Timed back to back it runs from warm caches (2.6-2.9 ms against 4.6-5.2 ms in the step for the reference
-  MLP's 23.3 MB here: `benchmarks/allreduce_in_step.py`); that limit is printed beside (`limit_back_to_back`).
-  A loop's step is the mean of its steps on its slowest rank, since `train`'s wall-time difference is a mean
-  too: its slow steps count, and so must the limit's (the mean of a plain loop is 3-8 % above its median
-  here). The limit of the medians is printed beside it;
+  (neither timed), in a process of its own with hpctrain's allocator settings (the faster for it).
+  Timed back to back it runs from warm caches, much faster than any step sees it; that limit is printed
+  beside (`limit_back_to_back`). A loop's step is the mean of its steps on its slowest rank, since `train`'s
+  wall-time difference is a mean too: its slow steps count, and so must the limit's. The limit of the
+  medians is printed beside it;
 - the limit in lockstep (`limit_in_lockstep`, printed beside, not the limit): the plain loop with an MPI
   `Barrier` at the end of every step (`lockstep`), plus the same raw allreduce. A synchronous step cannot
   end before the slower rank's: the barrier makes every step the slower rank's, which two free-running
   plain loops never pay. `lockstep` minus `plain` is that cost alone; `train` over `limit_in_lockstep` is
-  what hpctrain adds to a synchronous step on top of what the hardware does (`benchmarks/lockstep.py` splits
-  the same cost by phase, over medians of fewer steps);
+  what hpctrain adds to a synchronous step on top of what the hardware does;
 - the loop a user writes by hand: the same plain step with one raw in-place `Allreduce` of each gradient
   between backward and the optimizer step (not the limit: it also pays the ranks' waits for each other's
   slowest step, every step, which the limit's separately timed loops leave out);
@@ -27,7 +25,7 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
   the step difference (start-up and the end cancel: `train`), and the same difference of the training
   loop's own wall time, `summary.json`'s `train_time_s` (`train_loop`: every step with everything between
   steps, epoch boundaries and logged windows included, without the launch's start-up and end, which vary
-  by about a second from one launch to the next here, 2-3 ms a step over a 400-step difference);
+  from one launch to the next);
 - `train_zero1`: the same with `--zero 1` (each rank steps its slice of the optimizer and the parameters are
   allgathered, where stage 0, the default, steps the whole model on every rank: which is faster on CPUs);
 - hpctrain's library API: the custom loop a user writes with `DistributedOptimizer` (stage 0, its default);
@@ -38,9 +36,9 @@ fused kernel `train` builds), one torch thread per core a rank owns. Every round
 It prints each one's step time (the median over the rounds) and its ratio to the limit (or hpctrain's to it)
 with the spread over the rounds.
 
-Every loop is timed over as many steps as `train`'s long-minus-short difference (a loop timed over 60 steps, 2 s,
-against `train`'s 400, 14 s, drew its per-round ratio mostly from which of the machine's fast or slow seconds
-the short sample fell on: 0.95-1.15 per round in a run whose medians were 1.03 apart).
+Every loop is timed over as many steps as `train`'s long-minus-short difference: a loop timed over far fewer
+steps than `train` draws its per-round ratio mostly from which of the machine's fast or slow seconds the short
+sample fell on. The figures and how to read them: docs/performance.md.
 
     python benchmarks/step_limit.py [--rounds 5] [--long 190] [--horovod-python /opt/hvd/bin/python] [--json]
 
