@@ -8,8 +8,9 @@ target token, `tokens_per_s` is rows per second times seq_len, and
 - MFU (model FLOPs utilization) = tokens_per_s x training FLOPs per token / the peak FLOP/s of every rank's
   device together. FLOPs per token come from the model (`compute.gpt.flops_per_token`: 6 N + 12 L d T for
   the built-in GPT; 6 N for a user's model, whose attention hpctrain cannot see); the peak is measured at
-  start-up by each rank with a matmul in the run's precision (all ranks at once, as they will train) and
-  summed. Both inputs are in summary.json.
+  start-up by each rank with a matmul in the run's precision (all ranks at once, as they will train, and
+  without a time budget: on a loaded node it takes what it takes) and summed. Both inputs are in
+  summary.json.
 - bits per byte of the validation text = val_loss (nats per token) x the split's tokens / its text bytes
   / ln 2, from the manifest's counts: comparable across tokenizers, unlike the loss per token.
 """
@@ -70,28 +71,49 @@ class Rates:
 
 
 def rates(precision: str, shardset: ShardSet, model: Any, comm: Any, device: Any, *,
-          flops: float | None = None) -> Rates:
+          flops: float | None = None, watchdog: Any = None) -> Rates:
     """The Rates of this run (`precision`: --precision); for a language model every rank measures its peak
-    matmul FLOP/s now (collective). `flops`: the whole model's FLOPs per token, where `model` is a part of it
-    (a pipeline stage)."""
+    matmul FLOP/s now (collective; `watchdog` names its waits). `flops`: the whole model's FLOPs per token,
+    where `model` is a part of it (a pipeline stage)."""
     if shardset.task != "lm":
         return Rates()
-    fpt, peak = flops_and_peak(model, shardset.seq_len, comm, device, precision)
+    fpt, peak = flops_and_peak(model, shardset.seq_len, comm, device, precision, watchdog=watchdog)
     fpt = flops if flops is not None else fpt
     val = shardset.manifest.get("splits", {}).get("val", {})
     per_byte = val.get("tokens", 0) / val["text_bytes"] if val.get("text_bytes") else 0.0
     return Rates(targets=shardset.seq_len, flops_per_token=fpt, peak_flops=peak, tokens_per_byte=per_byte)
 
 
-def flops_and_peak(model: Any, seq_len: int, comm: Any, device: Any, precision: str) -> tuple[float, float]:
+def flops_and_peak(model: Any, seq_len: int, comm: Any, device: Any, precision: str,
+                   watchdog: Any = None) -> tuple[float, float]:
     """(training FLOPs per token of `model`, the peak FLOP/s of every rank's device in `precision`, summed):
-    the two inputs of MFU. Every rank measures at once, as they will train (collective)."""
+    the two inputs of MFU. Every rank measures at once, as they will train (collective).
+
+    Measuring is each rank's own work, and a loaded node slows it as much as the load likes: it is no wait
+    on the other ranks (the watchdog sees the rank computing), and the sum after it, which waits for the
+    slowest measurement, has no budget. A rank that dies meanwhile is still found: its heartbeat goes silent."""
     from ..compute.gpt import GPT, measure_peak_flops, model_flops_per_token
 
     if isinstance(model, GPT):
         fpt = model_flops_per_token(model, seq_len)
     else:  # a user's model: 6 N, its attention unseen
         fpt = 6 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    _wait(watchdog, "start-up: the ranks meet to measure their peak FLOP/s together (language models)")
     comm.barrier()
-    peak = float(comm.allreduce_array([measure_peak_flops(device, dtype=torch_dtype(precision), seconds=0.3)])[0])
+    _wait(watchdog, None)
+    mine = measure_peak_flops(device, dtype=torch_dtype(precision), seconds=0.3)
+    _wait(watchdog, "start-up: summing the ranks' peak FLOP/s (no budget: a slow measurement is load, not a hang)",
+          budget=0)
+    peak = float(comm.allreduce_array([mine])[0])
+    _wait(watchdog, None)
     return float(fpt), peak
+
+
+def _wait(watchdog: Any, name: str | None, budget: float | None = None) -> None:
+    """Enter the wait `name` on the other ranks (None: leave it), where a watchdog watches."""
+    if watchdog is None:
+        return
+    if name is None:
+        watchdog.idle()
+    else:
+        watchdog.phase(name, budget=budget)

@@ -286,9 +286,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     manager = ckpt.CheckpointManager(
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
         on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
-    watchdog.phase("start-up: every rank measures its peak FLOP/s (language models)", start.step)
-    rates = lm.rates(cfg.precision, shardset, model, comm, device, flops=par.flops_per_token)
-    watchdog.idle()
+    rates = lm.rates(cfg.precision, shardset, model, comm, device, flops=par.flops_per_token, watchdog=watchdog)
     return Run(cfg, comm, log, watchdog, shardset, model, device, start, reader, first_reader, val_reader, optimizer,
                scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps, rates,
                LossScaler() if cfg.precision == "fp16" else None, par=par)
