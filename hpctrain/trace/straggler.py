@@ -13,8 +13,13 @@ Only ranks that do the same work are compared: the ranks of one pipeline stage (
 stage 0 without a pipeline). The stages of a pipeline wait for each other by design (its bubble: the first
 stage ends its step last, the last stage starts it last), so a collective that spans stages is compared
 within each stage, and the point-to-point transfers and the waits for a neighbour stage ("pipeline wait")
-are never blamed; the verdict of a pipelined run says so. Time inside tensor-parallel sums is taken out of
-forward and backward ("tensor-parallel sums"): there every rank of the group waits for the slowest.
+are never blamed; the verdict of a pipelined run says so. Nor is a wait for a neighbour blamed through a
+collective: with replicas (D > 1), the rank of a replica whose other stage is slow waits for it through the
+pipeline and arrives as late at its own stage's gradient sum, as if it were slow itself. So a collective is
+compared by each member's own arrival (`own_arrivals`): its arrival less the time it waited for a neighbour
+stage since it left its previous collective, where the ranks were last in step. Time inside tensor-parallel
+sums is taken out of forward and backward ("tensor-parallel sums"): there every rank of the group waits for
+the slowest.
 
 Phase times are each rank's median over the steps. A rank is named the straggler when it made the others
 wait the longest in most steps (at least 1/2 + 1/(2W) of them: 3/4 with two ranks, 5/8 with four, more than
@@ -30,6 +35,7 @@ the work differ by design).
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from typing import Any, Callable
 
@@ -49,7 +55,8 @@ UNEVEN = ("checkpoint write", "validation", "start-up", "summary", "clock")
 # work; so are a pipeline stage's waits for its neighbours and the time inside tensor-parallel sums)
 BLAMED = ("data wait", "zero", "forward", "backward", "optimizer", "validation", "checkpoint stall")
 TP_SUMS = "tensor-parallel sums"
-STEP_PHASES = BLAMED + ("wait", "pipeline wait", TP_SUMS)
+NEIGHBOUR_WAIT = "pipeline wait"  # a pipeline stage waiting for its neighbour (parallel.pipeline's span)
+STEP_PHASES = BLAMED + ("wait", NEIGHBOUR_WAIT, TP_SUMS)
 PIPELINE = "pipeline"  # the name of a pipeline's communicator (parallel.groups), by which a rank's stage is known
 # the tensor-parallel sums (parallel.tensor's labels) inside a forward, and inside a backward
 SUMS = {"forward sum": "forward", "loss max": "forward", "loss sums": "forward", "backward sum": "backward"}
@@ -111,6 +118,28 @@ def collectives(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda c: min(c["arrive"]))
 
 
+def neighbour_waits(doc: dict[str, Any]) -> list[tuple[float, float]]:
+    """[(start, end)] of one rank's waits for a neighbour pipeline stage, on rank 0's clock, oldest first."""
+    align = aligner(doc)
+    return sorted((align(start), align(end)) for step in doc.get("steps", [])
+                  for name, _ident, start, end, _args in step.get("spans", []) if name == NEIGHBOUR_WAIT)
+
+
+def own_arrivals(c: dict[str, Any], pos: dict[int, int], waits: list[list[tuple[float, float]]],
+                 leaves: list[list[float]]) -> list[float]:
+    """Each member's arrival at collective `c` less the time it waited for a neighbour stage since it left its
+    previous collective (`leaves`: each rank's departures, sorted), where the members were last in step: when it
+    would have arrived had its neighbours not kept it waiting."""
+    out = []
+    for rank, arrive in zip(c["ranks"], c["arrive"]):
+        i = pos[rank]
+        before = bisect.bisect_left(leaves[i], arrive)
+        since = leaves[i][before - 1] if before else float("-inf")
+        out.append(arrive - sum(max(0.0, min(end, arrive) - max(start, since)) for start, end in waits[i]
+                                if start < arrive and end > since))
+    return out
+
+
 def phase_times(doc: dict[str, Any]) -> dict[int, dict[str, float]]:
     """{step: {phase: seconds}} of one rank's recorded steps (a phase that ran several times, summed; the time
     inside tensor-parallel sums taken out of forward and backward)."""
@@ -133,19 +162,20 @@ def _median(values: list[float]) -> float:
 
 
 def _attribute(c: dict[str, Any], pos: dict[int, int], stages: list[int], times: list[dict[int, dict[str, float]]],
-               acc: dict[str, Any]) -> None:
-    """Add collective `c` to the tallies `acc`, compared within each pipeline stage among its members."""
+               own: list[float], acc: dict[str, Any]) -> None:
+    """Add collective `c` to the tallies `acc`, compared within each pipeline stage among its members by their
+    own arrivals `own` (see `own_arrivals`)."""
     parts: dict[int, list[int]] = {}
     for k, rank in enumerate(c["ranks"]):
         parts.setdefault(stages[pos[rank]], []).append(k)
     for ks in parts.values():
         if len(ks) < 2:  # a stage alone in this collective: nobody does the same work beside it
             continue
-        arrive = [c["arrive"][k] for k in ks]
+        arrive = [own[k] for k in ks]
         who = [pos[c["ranks"][k]] for k in ks]
         j = max(range(len(ks)), key=arrive.__getitem__)
         last, peers = who[j], who[:j] + who[j + 1:]
-        acc["skews"].append(arrive[j] - min(arrive))
+        acc["skews"].append(max(c["arrive"][k] for k in ks) - min(c["arrive"][k] for k in ks))
         caused = _median([arrive[j] - t for i, t in enumerate(arrive) if i != j])
         acc["made"][last] += caused
         acc["last_n"][last] += 1
@@ -164,15 +194,23 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """The `straggler` entry of summary.json (and of the report) for the ranks' timeline files `docs`, one per
     rank in rank order. Times in ms."""
     world = len(docs)
-    colls = [c for c in collectives(docs) if comparable(c)]
+    matched = collectives(docs)
+    colls = [c for c in matched if comparable(c)]
     times = [phase_times(d) for d in docs]
     stages = [stage_of(d) for d in docs]
     pos = {d["rank"]: i for i, d in enumerate(docs)}
     steps = sorted(set.intersection(*(set(t) for t in times))) if times else []
     acc: dict[str, Any] = {"made": [0.0] * world, "last_n": [0] * world, "by_step": {}, "skews": [],
                            "made_phase": [{p: 0.0 for p in BLAMED} for _ in range(world)]}
+    waits = [neighbour_waits(d) for d in docs]
+    leaves: list[list[float]] = [[] for _ in docs]
+    for c in matched:
+        for rank, t in zip(c["ranks"], c["leave"]):
+            leaves[pos[rank]].append(t)
+    for row in leaves:
+        row.sort()
     for c in colls:
-        _attribute(c, pos, stages, times, acc)
+        _attribute(c, pos, stages, times, own_arrivals(c, pos, waits, leaves), acc)
     made, by_step = acc["made"], acc["by_step"]
     n = max(1, len(steps))
     # each rank's typical step: the median over the steps (the first step's start-up is no straggler's doing)
