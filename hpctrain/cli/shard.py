@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,6 +39,9 @@ def shard(ctx: typer.Context, json_out: Annotated[bool, typer.Option("--json", h
                            f"text bytes)" for name, body in manifest["splits"].items())
         print(f"wrote {manifest['num_shards']} shards per split to {cfg.out}: {splits}; rows of "
               f"{manifest['seq_len']} + 1 tokens, vocabulary {manifest['vocab_size']} ({manifest['tokenizer']['name']})")
+        if manifest["val_fraction"] > 0 and "val" not in manifest["splits"]:  # the split is by document
+            print(f"note: no val split: {cfg.source} is one document; give the text as several files or JSONL lines "
+                  "to get one", file=sys.stderr)
     else:
         splits = ", ".join(f"{name} {body['samples']}" for name, body in manifest["splits"].items())
         print(f"wrote {manifest['num_shards']} shards per split to {cfg.out} ({splits} samples, "

@@ -22,6 +22,7 @@ document numbering of the split.
 from __future__ import annotations
 
 import json
+import math
 from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
@@ -256,3 +257,15 @@ def split_documents(documents: Iterable[Document], val_fraction: float) -> Itera
     _ratio(val_fraction)
     for index, doc in enumerate(documents):
         yield ("val" if is_val(index, val_fraction) else "train"), doc
+
+
+def check_val_split(val_fraction: float, documents: int, val_documents: int) -> None:
+    """Refuse a --val-fraction that put none of two or more documents in val (of n documents floor(n * f) are
+    val, so a small source at a small fraction has none): training on without a val split, unsaid, is worse than
+    a line naming a fraction that gives one. One document cannot be split at all: that is said, not refused."""
+    if val_fraction <= 0 or val_documents or documents < 2:
+        return
+    enough = math.ceil(100 / documents) / 100  # floor(documents * enough) >= 1
+    raise ConfigError(f"--val-fraction {val_fraction:g} of {documents} documents puts none in val (the split is by "
+                      f"document: of n documents floor(n * {val_fraction:g}) are val): give --val-fraction {enough:g} "
+                      "or more for one in val, or --val-fraction 0 for no val split")

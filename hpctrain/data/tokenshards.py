@@ -39,7 +39,7 @@ from ..base.config import ShardConfig
 from ..base.errors import ConfigError, DataError
 from .shardformat import (FORMAT, LM_VERSION, SPLITS, TOKENIZER_FILE, commit, discard_partial,
                           hash_and_sync, safe_to_replace, shard_name, write_manifest)
-from .text import Document, open_documents, split_documents, text_form, TEXT_FORMS
+from .text import Document, check_val_split, open_documents, split_documents, text_form, TEXT_FORMS
 from .tokens import Packer, PackStats, Tokenizer, load_tokenizer, token_dtype, tokenize_tagged, train_bpe
 
 TASK = "lm"
@@ -213,6 +213,7 @@ def _write(cfg: ShardConfig, tok: Tokenizer, docs: Iterator[Document],
     finally:
         for w in writers.values():
             w.close()
+    check_val_split(cfg.val_fraction, sum(c["documents"] for c in counts.values()), counts["val"]["documents"])
     _check_rows(cfg, {split: packers[split].stats for split in SPLITS})
     live = [f"{split}/{shard_name(k, cfg.shards)}" for split in SPLITS if writers[split].rows for k in range(cfg.shards)]
     with ThreadPoolExecutor(max_workers=max(1, min(len(live), os.cpu_count() or 1))) as pool:
@@ -229,6 +230,10 @@ def _check_rows(cfg: ShardConfig, stats: dict[str, PackStats]) -> None:
     if stats["train"].rows == 0:
         raise DataError(f"{cfg.source!r} gives {stats['train'].tokens} train tokens, not one row of seq_len + 1 = "
                         f"{cfg.seq_len + 1}: {fix}")
+    if stats["val"].tokens and stats["val"].rows == 0:  # val documents, too short to make a row: no val split
+        raise DataError(f"the val split of {cfg.source!r} gives {stats['val'].tokens} tokens, not one row of seq_len "
+                        f"+ 1 = {cfg.seq_len + 1}: use a smaller --seq-len (now {cfg.seq_len}), a larger --val-fraction "
+                        f"(now {cfg.val_fraction:g}), or --val-fraction 0 for no val split")
     for split, s in stats.items():
         if 0 < s.rows < cfg.shards:
             raise DataError(f"the {split} split of {cfg.source!r} packs into {s.rows} rows, fewer than --shards "
