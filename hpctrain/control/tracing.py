@@ -10,13 +10,15 @@ step begins (`batches`) and where the window's clocks are measured (its first st
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..base.errors import ConfigError, HpctrainError
 from ..base.rankenv import RankEnv, read_env
-from ..base.window import parse_window
+from ..base.window import Window, parse_window
 from ..comm import Comm, world
 from ..comm.clocks import clock_offsets
 from ..trace.chrome import merge
@@ -44,6 +46,24 @@ def hang_point(hook: str | None, rank: int) -> tuple[int, int] | None:
     except ValueError:
         raise ConfigError(f"HPCTRAIN_TEST_HANG={hook!r} must be RANK:STEP:BUCKET, e.g. 1:5:0 (a test hook)") from None
     return (step, bucket) if who == rank else None
+
+
+def window_note(window: Window | None, done: int, last: int) -> str | None:
+    """A line saying that `window` records no step of a run that goes from step `done` + 1 to `last` (its
+    timeline would be empty, unsaid), or None. A warning, not a refusal: a run resumed past its window keeps
+    its command (a requeued job reruns it as it was)."""
+    if window is None:
+        return None
+    if window.kind == "range":
+        empty = window.a > last or window.b <= done
+    elif window.kind == "every":
+        empty = last // window.a * window.a <= done
+    else:
+        empty = last <= done
+    if not empty:
+        return None
+    return (f"--trace {window} records no step of this run (steps {done + 1} to {last}): its timeline will be empty; "
+            f"give a window of those steps, e.g. --trace last:{max(1, min(20, last - done))}")
 
 
 class Timeline:
@@ -76,6 +96,16 @@ class Timeline:
             self.path.unlink(missing_ok=True)  # an earlier run's
             TRACER.start(self.window, self.comm.rank)
             RECORDER.dumpers.append(self._dump)
+
+    def warn_outside(self, done: int, last: int, log: logging.Logger) -> None:
+        """Say (rank 0's stderr, every rank's log) when the window records no step of a run from step `done` + 1
+        to `last` (see `window_note`)."""
+        note = window_note(self.window, done, last)
+        if note is None:
+            return
+        log.warning(note)
+        if self.comm.rank == 0:
+            print(f"warning: {note}", file=sys.stderr)
 
     def batches(self, batches: Iterator[Any], done: int) -> Iterator[Any]:
         """`batches` of the steps after step `done`, each step marked, its wait for data recorded (and slowed by

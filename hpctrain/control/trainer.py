@@ -136,6 +136,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
                                data_ranks=par.data.size)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack, par)
     run.staged, run.timeline = staged, timeline
+    timeline.warn_outside(start.step, run.total_steps, log)
     planned = memplan.for_run(cfg.model, shardset, world=comm.size, zero=cfg.zero, runtime=runtime, work=memplan.Workload(
         cfg.optimizer, cfg.precision, cfg.batch_size, cfg.bucket_mb, cfg.momentum)) if par.plain else (
         "no memory plan: the plan does not model a run split with --tp/--pp")
