@@ -1,8 +1,11 @@
-"""How a run's process stops: on request (SIGTERM or SIGUSR2, from a scheduler, a launcher or a person),
-and by deadline where no Python thread can watch it.
+"""How a run's process stops: on request, and by deadline where no Python thread can watch it.
 
-A signal handler only sets a flag; the ranks agree on it at the next step boundary, write one checkpoint
-together and exit with `STOP_EXIT`. There is one flag per process, installed as early as possible
+A stop is asked for by a scheduler (SIGTERM: a preemption; SIGUSR2: the time limit's warning; the Slurm
+supervisor requeues the job after it) or by a person (SIGINT: Ctrl-C, `scancel --signal=INT`; SIGUSR1:
+`hpctrain launch` hands a Ctrl-C on as SIGUSR1, since mpirun forwards neither SIGINT nor SIGTERM; never
+requeued). A signal handler only sets a flag; the ranks agree on it at the next step boundary, write one
+checkpoint together and exit with `STOP_EXIT`, whoever asked. A second Ctrl-C ends the process at once
+(KeyboardInterrupt), as a program that ignores the first would otherwise never end. There is one flag per process, installed as early as possible
 (`python -m hpctrain train` does it before importing anything slow), so a stop that arrives while the
 process is still starting is kept for the first step boundary instead of killing the rank (the default
 action of SIGUSR2 is to terminate).
@@ -19,7 +22,8 @@ import sys
 import threading
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGUSR1)
+USER_STOPS = (signal.SIGINT, signal.SIGUSR1)  # a person asked: the job is not requeued
 STOP_EXIT = 3  # every rank stopped at a step boundary and the checkpoint is written: resume with --resume auto
 EDGE_FLOOR_S = 60.0  # the start-up and exit deadlines are never shorter: see edge_budget
 
@@ -59,10 +63,12 @@ def close_wakeup_pipe(pipe: tuple[int, int, int]) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGUSR2 once installed; read at step boundaries."""
+    """Set by the stop signals once installed; read at step boundaries."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self.signum: int | None = None  # the first stop signal
+        self.user = False  # a person asked, by any of the signals that came (USER_STOPS)
+        self.interrupts = 0  # SIGINTs so far: the second ends the process
         self._previous: dict[int, Any] = {}
         self.exit_budget = 0.0  # seconds the process may take to exit after the run (see finishing)
 
@@ -83,6 +89,13 @@ class StopFlag:
         return True
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt
+            if os.isatty(2):  # a Ctrl-C in a terminal: say what happens now
+                os.write(2, b"\nCtrl-C: writing a checkpoint at the next step and stopping (Ctrl-C again ends now)\n")
+        self.user = self.user or signum in USER_STOPS
         if self.signum is None:
             self.signum = signum
 
@@ -91,7 +104,7 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        self.signum = None
+        self.signum, self.user, self.interrupts = None, False, 0
 
 
 FLAG = StopFlag()

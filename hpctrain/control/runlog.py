@@ -6,6 +6,7 @@
     RUN/tensorboard/           with --tensorboard (rank 0)
     RUN/logs/rank-NNNN.log     every rank's log (`setup_logging`)
     RUN/config.toml            rank 0: the resolved config (`write_config`)
+    RUN/stopped.json           rank 0, after a stop: its step, signal and who asked (`write_stop`)
 and on rank 0 a progress bar on a terminal, or one plain line per logged step in a log file (Slurm).
 
 Only files: the reductions that make a record (loss over ranks, validation) are the trainer's. A resumed
@@ -162,6 +163,15 @@ def write_config(run_dir: Path, sections: dict[str, Any]) -> None:
         write_text(run_dir / "config.toml", write_toml(sections))
 
 
+def write_stop(run_dir: Path, step: int, signame: str, asked_by: str, checkpoint: Path) -> None:
+    """RUN/stopped.json: the run stopped at `step` with `checkpoint` written, on `signame`, asked by "user"
+    (a person: nothing requeues the run) or "scheduler" (a preemption or the time limit: the Slurm
+    supervisor requeues it). A run that starts again removes it (`prepare`)."""
+    with _writing(run_dir / "stopped.json"):
+        write_text(run_dir / "stopped.json", json.dumps({"step": step, "signal": signame, "asked_by": asked_by,
+                                                         "checkpoint": str(checkpoint), "time": time.time()}) + "\n")
+
+
 def prepare(run_dir: Path, audit: bool, rank: int, step: int, audit_lines: dict[str, int] | None) -> None:
     """Make the run's files describe steps 1..`step` only (`audit`: --audit-samples). `audit_lines`: the line
     count of every audit file at the checkpoint (None: a fresh run, every file starts empty). Rank 0 owns the
@@ -180,8 +190,9 @@ def prepare(run_dir: Path, audit: bool, rank: int, step: int, audit_lines: dict[
         for path in (metrics if rank == 0 else None, timing, _audit_path(run_dir, rank) if audit else None):
             if path is not None and path.exists():
                 path.unlink()
-    if rank == 0 and (run_dir / "summary.json").exists():
-        (run_dir / "summary.json").unlink()  # a summary always describes the run that wrote it
+    for done in ("summary.json", "stopped.json") if rank == 0 else ():
+        if (run_dir / done).exists():
+            (run_dir / done).unlink()  # a summary, or a stop, always describes the run that wrote it
     if audit:
         audit_dir.mkdir(parents=True, exist_ok=True)
 

@@ -48,7 +48,7 @@ from .watchdog import Watchdog, end_job
 
 
 class StopRequested(HpctrainError):
-    """The run was asked to stop (SIGTERM/SIGUSR2) and wrote a checkpoint; resume with --resume auto.
+    """The run was asked to stop (a stop signal, `base.stop`) and wrote a checkpoint; resume with --resume auto.
     Every rank raises it together (they agreed to stop at the same step)."""
 
     exit_code = STOP_EXIT
@@ -372,6 +372,21 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
     sink.write(out.step, epoch, loss_tot, n_tot, run.scheduler.get_last_lr()[0], extra, ended=ended)
 
 
+def _stopped(run: Run, step: int, name: str) -> None:
+    """After the stop's checkpoint: agree whether a person asked on any rank (a Ctrl-C that reached one
+    rank), record the stop (rank 0: RUN/stopped.json, which says whether to requeue) and raise StopRequested."""
+    cfg, comm = run.cfg, run.comm
+    run.watchdog.phase("stop: who asked", step)
+    by = "user" if comm.allreduce_array([float(STOP.user)], op="max")[0] else "scheduler"
+    run.watchdog.idle()
+    path = cfg.run_dir / "checkpoints" / ckpt.step_dir_name(step)
+    if comm.rank == 0:
+        runlog.write_stop(cfg.run_dir, step, name, by, path)
+    run.log.warning("stopped by %s at step %d (asked by the %s); checkpoint written", name, step, by)
+    raise StopRequested(f"stopped by {name} at step {step}: checkpoint written to {path}; run the same command "
+                        "to continue")
+
+
 def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     """Stop with exit 3 after a stop; else the final validation, the ranks' agreement on the parameters,
     summary.json and model.pt."""
@@ -380,10 +395,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     cfg, comm, watchdog, step = run.cfg, run.comm, run.watchdog, out.step
     watchdog.at_edge(edge_budget(cfg.collective_timeout))  # the end: the final validation is each rank's own work
     if out.stop_signal is not None:
-        name = signal.Signals(out.stop_signal).name
-        run.log.warning("stopped by %s at step %d; checkpoint written", name, step)
-        raise StopRequested(f"stopped by {name} at step {step}: checkpoint written to "
-                            f"{cfg.run_dir / 'checkpoints' / ckpt.step_dir_name(step)}; run the same command to continue")
+        _stopped(run, step, signal.Signals(out.stop_signal).name)
     if STOP.requested:  # came after the last step's boundary: nothing left to stop, the run is complete
         run.log.warning("%s arrived after the last step; the run completed", signal.Signals(STOP.signum).name)
     train_time = time.perf_counter() - out.started

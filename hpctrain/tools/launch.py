@@ -2,9 +2,10 @@
 
 Adds the run-as-root variables when root, `--oversubscribe` when N exceeds the cores, `--bind-to none`
 (ranks size their own thread pools), and runs hpctrain subcommands with this interpreter. mpirun runs in
-its own session, so a Ctrl-C in the terminal reaches only the launcher; the first SIGINT or SIGTERM is
-turned into SIGUSR2 for mpirun, which forwards it to every rank (SIGTERM to mpirun would kill the ranks
-before they can checkpoint). A second one, or a job still running `--grace` seconds later, is ended hard,
+its own session, so a Ctrl-C in the terminal reaches only the launcher; the first stop signal is handed
+to mpirun as one it forwards to every rank (SIGINT or SIGTERM to mpirun would kill the ranks before they
+can checkpoint): a person's (SIGINT, SIGUSR1) as SIGUSR1, a scheduler's (SIGTERM, SIGUSR2) as SIGUSR2, so
+that the ranks record who asked (`stop.USER_STOPS`). A second one, or a job still running `--grace` seconds later, is ended hard,
 so a stop always ends the job, within grace + 5 s. The exit code is the job's.
 
 mpirun's stderr (its own messages and every rank's) passes through `MpirunFilter`: once a rank has said in a
@@ -30,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from ..base.rankenv import read_env
 from ..base.errors import ConfigError, HpctrainError
-from ..base.stop import FLAG, STOP_EXIT, block_prefix, close_wakeup_pipe, wakeup_pipe
+from ..base.stop import FLAG, STOP_EXIT, STOP_SIGNALS, USER_STOPS, block_prefix, close_wakeup_pipe, wakeup_pipe
 
 # hpctrain subcommands: a COMMAND starting with one of these runs as `python -m hpctrain ...`.
 SUBCOMMANDS = ("train", "shard", "verify", "doctor", "bench", "report")
@@ -97,10 +98,10 @@ def find_mpirun() -> str:
 def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: float = GRACE_S) -> int:
     """Run `command` on `n` local ranks and return the job's exit code.
 
-    The first SIGINT/SIGTERM/SIGUSR2 asks every rank to stop at its next step boundary (SIGUSR2 to mpirun,
-    which forwards it). A job that has not ended `grace` seconds later, or a second signal, ends it now:
-    SIGTERM to mpirun (which kills the ranks), and KILL_AFTER_S later SIGKILL to mpirun and every process
-    under it. So a stop always ends the job, even one whose ranks hang."""
+    The first stop signal asks every rank to stop at its next step boundary (through mpirun: see the module).
+    A job that has not ended `grace` seconds later, or a second signal, ends it now: SIGTERM to mpirun (which
+    kills the ranks), and KILL_AFTER_S later SIGKILL to mpirun and every process under it. So a stop always
+    ends the job, even one whose ranks hang."""
     if not grace >= 0:
         raise ConfigError(f"--grace {grace} must be zero or more seconds, e.g. --grace 20")
     argv, env = build_command(n, command, mpirun=find_mpirun(), cpus=read_env().cpus_available,
@@ -108,27 +109,27 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
     stops = 0
     proc: subprocess.Popen[bytes] | None = None
     deadline: float | None = None  # when the job is ended hard
-    to_forward = False  # a stop waits for mpirun to catch SIGUSR2 (its default action would kill it)
+    to_forward, relay = False, signal.SIGUSR2  # handed on once mpirun catches it (SIGUSR1: a person's stop)
     hard = False
     stalled_since: float | None = None
     next_look = 0.0
 
     def forward(signum: int, frame: object) -> None:
-        nonlocal stops, deadline, to_forward
+        nonlocal stops, deadline, to_forward, relay
         stops += 1
         if stops == 1:
             what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
             print(f"hpctrain launch: {what}: every rank writes a checkpoint at its next step and stops (within "
                   f"{grace:g} s; {what} again ends the job now)", file=sys.stderr, flush=True)
-            to_forward = True
+            to_forward, relay = True, (signal.SIGUSR1 if signum in USER_STOPS else signal.SIGUSR2)
             deadline = time.monotonic() + grace
-            if proc is not None and catches(proc.pid, signal.SIGUSR2):  # at once: the ranks stop at the next step
+            if proc is not None and catches(proc.pid, relay):  # at once: the ranks stop at the next step
                 to_forward = False
-                _send(proc.pid, signal.SIGUSR2)
+                _send(proc.pid, relay)
         else:
             deadline = time.monotonic()
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     if FLAG.requested or stops:  # stopped while this process started (held by FLAG): the job never starts
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -137,9 +138,9 @@ def launch(n: int, command: Sequence[str], *, extra: Sequence[str] = (), grace: 
     proc, pump, waiter = _start(argv, {**os.environ, **env})
     try:
         while True:
-            if to_forward and catches(proc.pid, signal.SIGUSR2):
+            if to_forward and catches(proc.pid, relay):
                 to_forward = False
-                _send(proc.pid, signal.SIGUSR2)
+                _send(proc.pid, relay)
             until = next_look if deadline is None else min(next_look, deadline)
             code = waiter.wait(0.05 if to_forward else until - time.monotonic())
             if code is not None:
