@@ -2,8 +2,10 @@
 
 This module owns reading what `train` leaves in RUN (metrics.jsonl, logs/rank-NNNN.jsonl, summary.json,
 config.toml) and drawing it. It reads a run that is still going: the trainer appends to the jsonl files, so
-an unterminated last line is a line being written and is skipped, and a missing summary.json means "in
-progress". Nothing here imports torch or MPI; matplotlib is imported inside the drawing functions only,
+an unterminated last line is a line being written and is skipped. A run without summary.json is "in
+progress" unless it says it ended (`runstatus.ended`: a stop's record, an error as a rank log's last word, or
+processes that are gone). Epochs are counted from 1, as the console counts them
+(metrics.jsonl numbers them from 0). Nothing here imports torch or MPI; matplotlib is imported inside the drawing functions only,
 and it draws through the Agg canvas directly (no pyplot, no global backend switch), so a report can be made
 on a login node with no display, from a process that already uses another backend.
 """
@@ -20,6 +22,7 @@ from ..base.config import read_train_toml
 from ..base.durable import write_text
 from ..base.errors import ConfigError, DataError
 from .figures import by_rank, new_figure, note_empty, save_png
+from .runstatus import ended
 
 PLOTS = {
     "loss": "loss.png",
@@ -117,7 +120,14 @@ def load_run(run_dir: Path) -> dict[str, Any]:
         elif isinstance(summary.get("world_size"), int):  # drop rank logs left by an earlier run on more ranks
             ranks = {r: recs for r, recs in ranks.items() if r < summary["world_size"]}
     return {"run_dir": run_dir, "metrics": metrics, "ranks": ranks, "summary": summary, "stale_summary": stale,
-            "config": _read_config(run_dir / "config.toml")}
+            "config": _read_config(run_dir / "config.toml"),
+            "ended": ended(run_dir, metrics[-1]["step"]) if summary is None else None}
+
+
+def epoch_number(rec: dict[str, Any]) -> Any:
+    """A record's epoch as the console counts it, from 1 (metrics.jsonl counts from 0); '?' without one."""
+    epoch = rec.get("epoch")
+    return epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else "?"
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:
@@ -194,7 +204,7 @@ def plot_accuracy(metrics: list[dict[str, Any]], path: Path, title: str) -> None
     if not val:
         note_empty(ax, "no validation yet (first epoch not finished, or no val split)")
     else:
-        xs = [m.get("epoch", i) for i, m in enumerate(val)]  # 0-based, as in metrics.jsonl and the logs
+        xs = [m["epoch"] + 1 if isinstance(m.get("epoch"), int) else i + 1 for i, m in enumerate(val)]  # as the console
         ys = [m["val_accuracy"] for m in val]
         ax.plot(xs, ys, "o-", color="#55A868", markersize=4, label="val_accuracy")
         best = max(range(len(ys)), key=ys.__getitem__)
@@ -291,9 +301,10 @@ def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
         val = [m for m in metrics if "val_accuracy" in m]
         why = ("no summary.json yet" if run.get("stale_summary") is None else
                f"summary.json is from an earlier run in this directory: {run['stale_summary']} steps")
-        lines += [f"**Status: in progress** ({why}). Last logged: step {last['step']}, epoch "
-                  f"{last.get('epoch', '?')}, loss {_fmt(last.get('loss'))}"
-                  + (f", val_accuracy {val[-1]['val_accuracy']:.4f} after epoch {val[-1].get('epoch', '?')}"
+        state, why = (run["ended"][0], f"{run['ended'][1]}; no summary.json") if run.get("ended") else ("in progress", why)
+        lines += [f"**Status: {state}** ({why}). Last logged: step {last['step']}, epoch "
+                  f"{epoch_number(last)}, loss {_fmt(last.get('loss'))}"
+                  + (f", val_accuracy {val[-1]['val_accuracy']:.4f} after epoch {epoch_number(val[-1])}"
                      if val else ", val_accuracy not measured yet (no epoch finished)") + ".", ""]
         speeds = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
         if speeds:
@@ -326,7 +337,7 @@ def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
             lines += [f"The last {_TABLE_ROWS} of {len(ends)} epochs:", ""]
         lines += ["| epoch | step | train loss | val_loss | val_accuracy |", "|---:|---:|---:|---:|---:|"]
         for m in ends[-_TABLE_ROWS:]:
-            cells = [m.get("epoch"), m["step"], m.get("epoch_train_loss"), m.get("val_loss"), m.get("val_accuracy")]
+            cells = [epoch_number(m), m["step"], m.get("epoch_train_loss"), m.get("val_loss"), m.get("val_accuracy")]
             lines.append("| " + " | ".join("" if c is None else (f"{c:.4f}" if isinstance(c, float) else str(c))
                                            for c in cells) + " |")
         lines.append("")
@@ -361,26 +372,32 @@ def report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     """Write the PNG plots and report.md of RUN into out_dir (default RUN/report); return the written paths,
     and under `findings` the straggler verdict and the line-up of a hang as one line each (tracereport).
 
-    Works on a finished run, on one still in progress, and on one that hung before it logged a step (its
-    flight records). Bad input (no RUN, no metrics yet and no flight record, an out_dir that is a file)
-    raises before anything is written.
+    Works on a finished run, on one still in progress or ended without a summary, on one that hung before it
+    logged a step (its flight records), and on a run of your own loop that recorded a timeline and no metrics
+    (`hpctrain.Timeline`). Bad input (no RUN, no metrics yet and no flight record or timeline, an out_dir that
+    is a file) raises before anything is written.
     """
     from .tracereport import hang_found, trace_report
 
     run_dir = Path(run_dir)
+    hung = timeline_only = False
     try:
         run: dict[str, Any] | None = load_run(run_dir)
     except DataError:
-        if not hang_found(run_dir):
+        hung = hang_found(run_dir)
+        timeline_only = not hung and any((run_dir / "trace").glob("rank-*.json"))
+        if not hung and not timeline_only:
             raise
-        run = None  # hung before its first logged step: the flight records are the report
+        run = None  # the flight records of a run that hung before its first logged step, or a library run's timeline
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"-o {str(out_dir)!r} is a file: pass a directory for the report")
     out_dir.mkdir(parents=True, exist_ok=True)
     title = run_dir.resolve().name or str(run_dir)
-    if run is None or run["summary"] is None:
-        title += " (in progress)" if run is not None else " (ended before its first logged step)"
+    if run is None:
+        title += " (ended before its first logged step)" if hung else " (a timeline, no metrics)"
+    elif run["summary"] is None:
+        title += f" ({run['ended'][0] if run['ended'] else 'in progress'})"
     written: dict[str, Any] = {key: out_dir / name for key, name in PLOTS.items()}
     plot_loss(run["metrics"] if run else [], written["loss"], title)
     plot_accuracy(run["metrics"] if run else [], written["accuracy"], title)
@@ -389,7 +406,10 @@ def report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     lines, pngs, findings = trace_report(run_dir, out_dir, title)
     written.update(pngs)
     written["report"] = out_dir / "report.md"
-    text = render_markdown(run, out_dir) if run else f"# Run report: `{run_dir}`\n\n**Status: ended before its first logged step.**\n"
+    text = render_markdown(run, out_dir) if run else f"# Run report: `{run_dir}`\n\n" + (
+        "**Status: ended before its first logged step.**\n" if hung else
+        "**No metrics.jsonl**: not a `hpctrain train` run. A run of your own loop (the library API) records what it "
+        "asks for; here, its timeline (`hpctrain.Timeline`).\n")
     write_text(written["report"], text + "\n" + "\n".join(lines))
     written["findings"] = findings
     return written
