@@ -5,7 +5,8 @@ supervisor requeues the job after it) or by a person (SIGINT: Ctrl-C, `scancel -
 `hpctrain launch` hands a Ctrl-C on as SIGUSR1, since mpirun forwards neither SIGINT nor SIGTERM; never
 requeued). A signal handler only sets a flag; the ranks agree on it at the next step boundary, write one
 checkpoint together and exit with `STOP_EXIT`, whoever asked. A second Ctrl-C ends the process at once
-(KeyboardInterrupt), as a program that ignores the first would otherwise never end. There is one flag per process, installed as early as possible
+(KeyboardInterrupt), as a program that ignores the first would otherwise never end; a copy of the first
+(Slurm signals a task and its wrapper, which passes it on) is not a second one. There is one flag per process, installed as early as possible
 (`python -m hpctrain train` does it before importing anything slow), so a stop that arrives while the
 process is still starting is kept for the first step boundary instead of killing the rank (the default
 action of SIGUSR2 is to terminate).
@@ -20,11 +21,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGUSR1)
 USER_STOPS = (signal.SIGINT, signal.SIGUSR1)  # a person asked: the job is not requeued
 STOP_EXIT = 3  # every rank stopped at a step boundary and the checkpoint is written: resume with --resume auto
+AGAIN_S = 1.0  # a SIGINT this long after the first is a second Ctrl-C; sooner, a copy (Slurm's and a wrapper's)
 EDGE_FLOOR_S = 60.0  # the start-up and exit deadlines are never shorter: see edge_budget
 
 
@@ -68,7 +71,7 @@ class StopFlag:
     def __init__(self) -> None:
         self.signum: int | None = None  # the first stop signal
         self.user = False  # a person asked, by any of the signals that came (USER_STOPS)
-        self.interrupts = 0  # SIGINTs so far: the second ends the process
+        self.interrupted: float | None = None  # when the first SIGINT came: a second one ends the process
         self._previous: dict[int, Any] = {}
         self.exit_budget = 0.0  # seconds the process may take to exit after the run (see finishing)
 
@@ -90,11 +93,12 @@ class StopFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT:
-            self.interrupts += 1
-            if self.interrupts > 1:
+            now = time.monotonic()
+            if self.interrupted is not None and now - self.interrupted >= AGAIN_S:
                 raise KeyboardInterrupt
-            if os.isatty(2):  # a Ctrl-C in a terminal: say what happens now
+            if self.interrupted is None and os.isatty(2):  # a Ctrl-C in a terminal: say what happens now
                 os.write(2, b"\nCtrl-C: writing a checkpoint at the next step and stopping (Ctrl-C again ends now)\n")
+            self.interrupted = self.interrupted if self.interrupted is not None else now
         self.user = self.user or signum in USER_STOPS
         if self.signum is None:
             self.signum = signum
@@ -104,7 +108,7 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        self.signum, self.user, self.interrupts = None, False, 0
+        self.signum, self.user, self.interrupted = None, False, None
 
 
 FLAG = StopFlag()

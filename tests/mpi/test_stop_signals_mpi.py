@@ -122,3 +122,48 @@ def test_a_stop_to_hpctrain_launch_is_recorded_as_who_asked(digits2: Path, tmp_p
     wait_for_step(run, proc)
     os.killpg(proc.pid, sig)
     stopped_and_recorded(proc, run, signame, asked_by)
+
+
+FAKE_SCONTROL = """#!/bin/sh
+echo "scontrol $*" >> "$FAKE_SLURM_LOG"
+case "$1" in
+  show) echo "JobId=4242 JobName=t JobState=RUNNING" ;;
+  requeue) kill -TERM "$PPID" ;;  # Slurm ends the allocation once the requeue takes: SIGTERM to the batch shell
+esac
+"""
+
+
+@pytest.mark.parametrize("sig,requeued", [(signal.SIGINT, False), (signal.SIGUSR2, True)])
+def test_the_slurm_supervisor_requeues_a_scheduler_s_stop_and_not_a_user_s(digits2: Path, tmp_path: Path,
+                                                                          sig: signal.Signals, requeued: bool) -> None:
+    """The job's supervisor, its rank wrapper and `hpctrain train`, as Slurm starts them (one task); the
+    signal goes to all three, as `scancel --full --signal=INT|USR2` sends it. Only Slurm's commands are faked
+    (scontrol, squeue on PATH). Before: SIGINT killed the supervisor (KeyboardInterrupt), and a stop exit
+    was requeued whoever asked for it."""
+    run, folder, bin_dir = tmp_path / "run", tmp_path / "jobs", tmp_path / "bin"
+    folder.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho 1:00:00\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    log = tmp_path / "slurm.log"
+    env = mpi_env(HPCTRAIN_TEST_STRAGGLER="0:0.03", PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
+                  SLURM_JOB_ID="4242", SLURM_PROCID="0", SLURM_NTASKS="1", SLURMD_NODENAME="n1",
+                  SLURM_RESTART_COUNT="0")
+    slurm = [PYTHON, "-u", "-m", "hpctrain.tools.slurm"]
+    proc = subprocess.Popen([*slurm, "supervise", "--folder", str(folder), "--", *slurm, "rank", "--folder",
+                             str(folder), "--", PYTHON, "-m", "hpctrain", "train", "--data", str(digits2), "--run-dir",
+                             str(run), *ARGS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_for_step(run, proc)
+    os.killpg(proc.pid, sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, (proc.returncode, err)
+    assert json.loads((run / "stopped.json").read_text())["asked_by"] == ("scheduler" if requeued else "user")
+    events = [json.loads(line) for line in (folder / "4242_hpctrain.jsonl").read_text().splitlines()]
+    calls = log.read_text() if log.exists() else ""
+    assert ("scontrol requeue 4242" in calls) == requeued, (calls, events, err)
+    assert events[-1]["event"] == ("requeued" if requeued else "stopped"), events
+    if not requeued:
+        assert events[-1]["reason"] == "user" and "not requeued" in err, (events, err)

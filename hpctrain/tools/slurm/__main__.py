@@ -22,7 +22,7 @@ def _hold_early(signum: int, frame: object) -> None:
 # instruction. Hold the stop signals from here, before the imports below, until run_rank/supervise take over.
 # (The package's __init__, imported before this module, imports nothing.)
 if __name__ == "__main__" and sys.argv[1:2] in (["rank"], ["supervise"]):
-    for _sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT) if sys.argv[1] == "rank" else (signal.SIGUSR2, signal.SIGTERM):
+    for _sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
         signal.signal(_sig, _hold_early)
     # Started through `env --block-signal=USR2` (BLOCK_STOP): a SIGUSR2 that came meanwhile is pending; it
     # reaches _hold_early now. (Unblocked before any child starts: a child inherits the mask.)

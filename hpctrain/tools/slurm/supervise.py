@@ -3,9 +3,10 @@ and the processes they start. Both run as `python -m hpctrain.tools.slurm superv
 
 The supervisor runs as the batch shell of the job. It keeps the job's record (FOLDER/JOBID_hpctrain.jsonl;
 JOBID_TASK_hpctrain.jsonl for an element of a job array, which requeues alone, as `scontrol requeue JOBID_TASK`) and
-decides what an exit means: 0 completed; 3 (every rank stopped on SIGTERM/SIGUSR2 and wrote one checkpoint
-together) is a preemption or a timeout, and the job requeues itself (`scontrol requeue`) up to `max_requeues`
-times to resume with `--resume auto`; any other code is a failure and never requeues. The rank wrapper
+decides what an exit means: 0 completed; 3 (every rank stopped on a stop signal and wrote one checkpoint
+together) after SIGTERM/SIGUSR2 is a preemption or a timeout, and the job requeues itself (`scontrol requeue`)
+up to `max_requeues` times to resume with `--resume auto`; after SIGINT (`scancel --signal=INT`: a person
+asked) it is a stop, never requeued; any other code is a failure and never requeues. The rank wrapper
 forwards signals, notes the first failing rank, and turns the collective stop (exit 3) into exit 0 so
 --kill-on-bad-exit does not kill ranks still finishing theirs.
 """
@@ -186,7 +187,8 @@ def supervise(folder: Path, launcher: Sequence[str], *, max_requeues: int, signa
     relay = _StopRelay(passed=())
     relay.install(early)
     previous_term = signal.signal(signal.SIGTERM, lambda s, f: relay.received.append(s))
-    relay.received.extend(early)  # a SIGTERM held before this line
+    previous_int = signal.signal(signal.SIGINT, lambda s, f: relay.received.append(s))  # a person's stop: noted
+    relay.received.extend(early)  # a SIGTERM or SIGINT held before this line
     early.clear()
     try:
         if sweep is not None:
@@ -201,6 +203,7 @@ def supervise(folder: Path, launcher: Sequence[str], *, max_requeues: int, signa
     finally:
         relay.restore()
         signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _supervise(relay: _StopRelay, folder: Path, launcher: Sequence[str], *, max_requeues: int,
@@ -231,6 +234,12 @@ def _supervise(relay: _StopRelay, folder: Path, launcher: Sequence[str], *, max_
         print(f"hpctrain: job {job_id} failed (rank {rank}, exit code {code}); not requeued", file=sys.stderr, flush=True)
         return code
     # Every rank stopped at a step boundary and the checkpoint is complete. Why?
+    if signal.SIGINT in relay.received or any(e.get("asked_by") == "user" for e in events):
+        record(folder, job_id, "stopped", reason="user", restart=restart, exit_code=code,
+               note="a person asked (SIGINT): not requeued")
+        print(f"hpctrain: job {job_id} stopped as asked (SIGINT) after a checkpoint; not requeued", file=sys.stderr,
+              flush=True)
+        return code
     info = slurm_job(job_id) or {}
     state = info.get("JobState", "")
     if state and state != "RUNNING":
@@ -288,8 +297,9 @@ def run_rank(folder: Path, argv: Sequence[str], *, early: list[int] | None = Non
         print(f"hpctrain: rank {rank}: SIGUSR2 was handed to the program, which then completed (exit 0) instead of "
               "stopping: the signal came after its last step", file=sys.stderr, flush=True)
     if code == STOP_EXIT:
-        if rank == 0:
-            record(folder, job_key(env), "ranks_stopped", restart=env.restart_count, exit_code=code)
+        if rank == 0:  # Slurm signals every task alike: what reached this wrapper reached the ranks
+            record(folder, job_key(env), "ranks_stopped", restart=env.restart_count, exit_code=code,
+                   asked_by="user" if signal.SIGINT in relay.received else "scheduler")
         return 0
     if code:  # srun reports only the largest code (often a rank it killed); keep who failed first, and how
         record(folder, job_key(env), "rank_failed", restart=env.restart_count, rank=env.rank, exit_code=code)
