@@ -37,8 +37,9 @@ from typing import Any, Iterator
 import torch
 
 from .control import checkpoint as ckpt
-from .control import ckptstate, rngstate
+from .control import ckptstate, resume, rngstate
 from .control.ckptload import open_checkpoint
+from .control.position import Cursor, Position
 from .control.step import in_kernel_mean, step_dividing
 from .control.tracing import Timeline
 from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
@@ -325,25 +326,26 @@ class ShardLoader:
             self.shardset, self.staged = self._stage(ctx, split, stage_to, keep_staged)
         self.reader = ShardReader(self.shardset, split, rank=ctx.rank, world=ctx.world_size, batch_size=batch_size,
                                   shuffle=shuffle, seed=seed)
+        self.cursor = Cursor(self.reader, drop_empty=drop_empty)  # the position, as `hpctrain train` keeps it
         self.device = ctx.device
         self.rank = ctx.rank
         self.world = ctx.world_size
-        self.epoch = 0
-        self.step = 0
-        self.current: int | None = None  # the step of the batch handed out last (the one being trained on)
         self.drop_empty = drop_empty
         # every rank's sample count is in the manifest: all ranks agree on the steps without talking
         counts = [int(c) for c in self.reader.counts]
-        self.steps_per_epoch = self.reader.steps_per_epoch
-        if drop_empty:
-            if min(counts) == 0:
-                raise ConfigError(f"drop_empty=True: rank {counts.index(0)} has no samples of split {split!r} in "
-                                  f"{str(data)!r}, so every step would be dropped: use fewer ranks, or drop_empty=False")
-            self.steps_per_epoch = -(-min(counts) // batch_size)
+        if drop_empty and min(counts) == 0:
+            raise ConfigError(f"drop_empty=True: rank {counts.index(0)} has no samples of split {split!r} in "
+                              f"{str(data)!r}, so every step would be dropped: use fewer ranks, or drop_empty=False")
+        self.steps_per_epoch = self.cursor.steps_of(self.reader)
         self.samples_dropped = sum(max(0, c - self.steps_per_epoch * batch_size) for c in counts)
 
+    epoch = property(lambda self: self.cursor.epoch, doc="The epoch being handed out (or next, between epochs).")
+    step = property(lambda self: self.cursor.step, doc="The batches of this epoch handed out (of its rest, after a "
+                    "resume on another world size mid-epoch).")
+
     def __len__(self) -> int:
-        return self.steps_per_epoch
+        """The steps of the current epoch (of its rest, after a resume on another world size mid-epoch)."""
+        return self.cursor.steps
 
     def _stage(self, ctx: Context, split: str, stage_to: str, keep: bool) -> tuple[Any, staging.Staged]:
         error, plan = None, None
@@ -359,37 +361,45 @@ class ShardLoader:
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch, self.step = epoch, 0
+            self.cursor.move_to(Position(epoch))
+
+    @property
+    def position(self) -> Position:
+        """Where the loader stands after the batches handed out (after an epoch's last: the next epoch's
+        start): what a checkpoint holds of the data, as `hpctrain train` records it."""
+        return self.cursor.position
 
     def rank_weight(self) -> float:
         """This rank's share of the samples of the step whose batch was handed out last (1 / world size
         when batches are even)."""
-        step = self.current if self.current is not None else self.step
-        sizes = self.reader.step_sizes(min(step, max(0, len(self) - 1)))
+        cur = self.cursor
+        reader, step = cur.current if cur.current is not None else (cur.reader, cur.step)
+        sizes = reader.step_sizes(min(step, max(0, cur.steps_of(reader) - 1)))
         return float(sizes[self.rank]) / float(max(1, sizes.sum()))
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        batches = self.reader.epoch(self.epoch, self.step)
-        try:  # zip asks range first: no batch is read past the last step (drop_empty ends the epoch early)
-            for _, batch in zip(range(self.step, len(self)), batches):
+        batches = self.cursor.batches()  # each batch counted as handed out: a checkpoint resumes after it
+        try:
+            for batch in batches:
                 x = torch.from_numpy(batch.x).to(self.device, non_blocking=True)
                 if x.dtype != torch.float32:
                     x = x.float()
-                y = torch.from_numpy(batch.y).to(self.device, non_blocking=True)
-                self.current = self.step
-                yield x, y
-                self.step += 1
+                yield x, torch.from_numpy(batch.y).to(self.device, non_blocking=True)
         finally:
             batches.close()
-        self.epoch, self.step = self.epoch + 1, 0
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step": self.step, "world_size": self.world}
+    def state_dict(self) -> dict[str, Any]:
+        """The position (`position`, as a checkpoint's meta.json records it) and this world size."""
+        return {**self.cursor.meta(self.world), "world_size": self.world}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()`, on any world size (one of an earlier version: on its own)."""
+        if "segments" in state:
+            self.cursor.move_to(Position.from_meta(state, self.world))
+            return
         if state.get("world_size", self.world) != self.world and state.get("step", 0):
             raise ConfigError(f"loader state from {state['world_size']} ranks mid-epoch; resume on that many ranks")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.cursor.move_to(Position(int(state["epoch"]), int(state["step"])))
 
 
 class Checkpointer:
@@ -415,9 +425,10 @@ class Checkpointer:
 
     def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None,
                scheduler: Any = None) -> dict[str, Any]:
+        world = init().world_size  # where the data stands, as `hpctrain train` records it:
+        meta = {"world_size": world, "api": True, **(loader.cursor.meta(world) if loader is not None else {})}
         return ckptstate.capture(model, _state_owner(optimizer), _sync_of(optimizer), scheduler=scheduler,
-                                 rank_state={"rng": rngstate.capture(), "loader": loader.state_dict() if loader else None},
-                                 meta={"world_size": init().world_size, "api": True})
+                                 rank_state={"rng": rngstate.capture()}, meta=meta)
 
     def restore(self, model: Any, optimizer: Any, loader: ShardLoader | None = None, *, scheduler: Any = None) -> int:
         """Load the newest complete checkpoint of run_dir into model, optimizer (and loader, scheduler);
@@ -429,25 +440,27 @@ class Checkpointer:
         if path is None:
             return 0
         loaded = open_checkpoint(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
+        resume.refuse_misfit(loaded, model, ctx.comm, ours="this model",
+                             fix="restore it into the model it was written with, or give the new model a new run_dir")
         if scheduler is not None and loaded.train.get("scheduler") is None:
             raise CheckpointError(f"checkpoint {path!r} holds no LR scheduler state (it was saved without "
                                   "scheduler=), so the schedule would restart at step 0: restore without "
                                   "scheduler= and set the schedule's position yourself, or use a new run_dir")
         sync = _sync_of(optimizer)
         ckptstate.restore(loaded, model, _state_owner(optimizer), sync, scheduler=scheduler)
-        if loaded.meta["world_size"] == ctx.world_size:
-            mine = ckptstate.rank_state(loaded, ctx.rank)
-            rngstate.restore(mine["rng"])
-            if loader is not None and mine["loader"] is not None:
-                loader.load_state_dict(mine["loader"])
-            if sync is not None and mine.get("compress") is not None:
-                unfit = sync.load_compressor_state(mine["compress"])
-                if unfit:
-                    warnings.warn(unfit, stacklevel=2)
+        meta = loaded.meta
+        mine = resume.restore_own(loaded, ctx.comm, sync, same=meta["world_size"] == ctx.world_size,
+                                  warn=lambda text: warnings.warn(text, stacklevel=3))
+        if loader is not None and "epoch" in meta:  # on any world size: the epoch goes on where it stood
+            loader.cursor.move_to(Position.from_meta(meta, ctx.world_size))
+        elif loader is not None and mine is not None and mine.get("loader") is not None:  # an earlier version's
+            loader.load_state_dict(mine["loader"])
         loaded.reader.close()
         self.manager.last_saved = int(loaded.meta["step"])
         if ctx.rank == 0:
-            print(f"resumed from step {self.manager.last_saved} ({path})", file=sys.stderr, flush=True)
+            print(resume.resumed_line(self.manager.last_saved, Path(path), meta, world=ctx.world_size, changes=[],
+                                      global_batch=loader and loader.reader.batch_size * ctx.world_size),
+                  file=sys.stderr, flush=True)
         return self.manager.last_saved
 
     def step(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None, *,

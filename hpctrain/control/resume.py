@@ -2,8 +2,10 @@
 step boundary (`state`) and loaded back (`restore`), both through `ckptstate` as the library's do (a run split
 over ranks with --tp/--pp: through `layoutfree`, in the same format).
 
-The trainer asks on rank 0 (`resolve`: the latest complete checkpoint, verified, or the one named), and warns
-about every change of the config since that checkpoint (`config_changes`) before it loads the state.
+The trainer asks on rank 0 (`resolve`: the latest complete checkpoint, verified, or the one named); before it
+loads the state, it refuses a model the checkpoint's tensors do not fit (`model_misfit`) and says on its first
+line what changed since (`resumed_line`: the world size, the global batch, every setting), as the library's
+`Checkpointer` does. Where the run stands in its data is `position.Position`, for both.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
 from ..comm import Comm
 from ..data.shardformat import ShardSet
+from .ckptboxes import is_ref
+from .ckptformat import REF
 from .ckptload import Loaded, open_checkpoint
+from .position import Position
 from .runstate import Start
 from .watchdog import Watchdog
 
@@ -51,16 +56,8 @@ def start_point(comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Wat
             f"checkpoint {str(path)!r} was written for another dataset (manifest fingerprint "
             f"{meta['data_fingerprint'][:12]}, --data {str(data)!r} has {shardset.fingerprint[:12]}): "
             "point --data at the original shards or start a new --run-dir"))
-    segments = [tuple(seg) for seg in meta.get("segments", [])]
-    if not segments and meta["step_in_epoch"]:
-        segments = [(meta["world_size"], meta["step_in_epoch"])]
-    start = Start(step=int(meta["step"]), epoch=int(meta["epoch"]), resumed_from=int(meta["step"]), path=path,
-                  state=state)
-    if segments and segments[-1][0] == data_ranks:
-        start.prior, start.in_epoch = segments[:-1], segments[-1][1]
-    else:
-        start.prior = segments  # elastic: a new segment of this epoch on this world size
-    return start
+    return Start(step=int(meta["step"]), position=Position.from_meta(meta, data_ranks), resumed_from=int(meta["step"]),
+                 path=path, state=state)
 
 
 def resolve(resume: str, run_dir: Path, warn: Callable[[str], Any]) -> Path | None:
@@ -105,29 +102,69 @@ def thread_change(saved: int | None) -> list[str]:
             "(--cpus-per-task, or the same ranks per node) for an exact resume"]
 
 
+def model_misfit(loaded: Loaded, model: Any) -> str | None:
+    """How `model` differs from the one a checkpoint holds (its keys and shapes), in a few words; None when it
+    fits. Asked before any tensor is loaded, so that another model is refused in one line, not by torch's
+    load_state_dict on every rank."""
+    ours = {k: tuple(getattr(v, "shape", ())) for k, v in model.state_dict(keep_vars=True).items()}
+    saved = {k: tuple(loaded.reader.shape(v[REF]) if is_ref(v) else getattr(v, "shape", ())) for k, v in loaded.model.items()}
+    missing, unexpected = sorted(set(saved) - set(ours)), sorted(set(ours) - set(saved))
+    shapes = [f"{k} {saved[k]} there, {ours[k]} here" for k in ours if k in saved and saved[k] != ours[k]]
+    parts = ([f"shapes differ: {', '.join(shapes[:2])}"] if shapes else []) + (
+        [f"the checkpoint has {brief(missing[:3])} this model lacks"] if missing else []) + (
+        [f"this model has {brief(unexpected[:3])} the checkpoint lacks"] if unexpected else [])
+    return "; ".join(parts) or None
+
+
+def resumed_line(step: int, path: Path, meta: dict[str, Any], *, world: int, global_batch: int | None,
+                 changes: list[str]) -> str:
+    """A resume's first line on the console: from where, and what changed since the checkpoint (the world size,
+    the global batch, every setting in `changes`), whichever entry path resumes."""
+    was = meta.get("global_batch")
+    changed = ([f"world size {meta['world_size']} -> {world}"] if int(meta["world_size"]) != world else []) + (
+        [f"global batch {was} -> {global_batch}"] if None not in (was, global_batch) and int(was) != global_batch
+        else []) + changes
+    return f"resumed from step {step} ({path})" + (f"; changed since: {', '.join(changed)}" if changed else "")
+
+
+def refuse_misfit(loaded: Loaded, model: Any, comm: Comm, *, ours: str, fix: str) -> None:
+    """Raise on every rank, in one line, when `model` (`ours`: how the message names it) does not fit the
+    checkpoint's tensors (`fix`: what to do); before anything is loaded."""
+    misfit = model_misfit(loaded, model)
+    comm.agree(CheckpointError(f"checkpoint {str(loaded.path)!r} does not fit {ours} ({misfit}): {fix}")
+               if misfit else None)
+
+
+def restore_own(loaded: Loaded, comm: Comm, sync: Any, *, same: bool, warn: Callable[[str], Any]) -> dict | None:
+    """Put back what this rank saved of its own (RNG streams, error feedback) when the world is the one that
+    wrote it (`same`); returns it (None on another world: the streams start afresh, `warn` says so of the
+    error feedback)."""
+    if not same:
+        if any("compress" in r for r in loaded.ranks):
+            warn(f"the error feedback of the gradient compression starts empty: the checkpoint holds "
+                 f"{loaded.meta['world_size']} ranks' errors, this run has {comm.size}")
+        return None
+    mine = ckptstate.rank_state(loaded, comm.rank)
+    rngstate.restore(mine["rng"])
+    if sync is not None and mine.get("compress") is not None:
+        unfit = sync.load_compressor_state(mine["compress"])
+        if unfit:
+            warn(unfit)
+    return mine
+
+
 def restore(run: Any) -> dict[str, int]:
     """Load the checkpoint's state into the run (RNG streams only on the world size that wrote them); say what
-    changed since. Returns every audit file's line count at the checkpoint."""
+    changed since, on the first line. Another model is refused before anything is loaded. Returns every audit
+    file's line count at the checkpoint."""
     cfg, comm, start = run.cfg, run.comm, run.start
     loaded = start.state
     meta = loaded.meta
-    changes = config_changes(TrainConfig.upgrade(meta.get("config", {})), cfg.to_dict())
-    planned = meta.get("schedule_steps")
-    if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
-        changes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
-                       f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
-                       "on, the learning rate follows the new plan")
-    if comm.rank == 0:  # the console's first word on a resume: from where, and whether anything is left
-        grown = f"; the run now ends at step {run.total_steps} (it was planned to {planned})" if (
-            planned is not None and int(planned) != run.total_steps) else ""
-        print(f"resumed from step {start.step} ({start.path}){grown}", file=sys.stderr, flush=True)
-        if start.step >= run.total_steps:
-            print(f"nothing left to do: step {start.step} is this run's last (of {run.total_steps}); raise "
-                  "--epochs or --max-steps to train on", file=sys.stderr, flush=True)
-    for change in changes:
-        run.log.warning("config changed since the checkpoint: %s", change)
-        if comm.rank == 0:
-            print(f"warning: config changed since the checkpoint: {change}", file=sys.stderr)
+    old = TrainConfig.upgrade(meta.get("config", {}))
+    if run.par.plain:  # a split run's shares are checked against the whole tensors by `layoutfree`
+        refuse_misfit(loaded, run.model, comm, ours=f"--model {cfg.model!r} (it holds {old.get('model')!r})",
+                      fix=f"start a new --run-dir for this model, or resume with --model {old.get('model')!r}")
+    _say_resumed(run, old)
     same = meta["world_size"] == comm.size and _layout(meta) == _layout_of(run)  # the same ranks in the same places
     if same:  # an elastic resume is not bit-identical anyway: nothing to add
         for change in thread_change(meta.get("torch_threads")):
@@ -140,24 +177,44 @@ def restore(run: Any) -> dict[str, int]:
         layoutfree.restore(loaded, run.model, run.optimizer)
         ckptstate.restore_schedule(loaded, run.scheduler, run.scaler)
     run.model.to(run.device)
-    if same:
-        mine = ckptstate.rank_state(loaded, comm.rank)
-        rngstate.restore(mine["rng"])
-        if mine.get("compress") is not None:
-            unfit = run.sync.load_compressor_state(mine["compress"])
-            if unfit:
-                run.log.warning("%s", unfit)
-    elif any("compress" in r for r in loaded.ranks):
-        run.log.warning("the error feedback of --grad-compression starts empty: the checkpoint holds %d ranks' "
-                        "errors, this run has %d", meta["world_size"], comm.size)
+    restore_own(loaded, comm, run.sync, same=same, warn=lambda text: run.log.warning("%s", text))
     known = {**meta.get("audit_frozen", {}),
              **{f"rank-{r:04d}.txt": int(st["audit_lines"]) for r, st in enumerate(loaded.ranks)}}
     run.audit_frozen = {name: n for name, n in known.items() if int(name[5:9]) >= comm.size}
     run.log.info("resumed from %s (step %d, epoch %d, step %d of the epoch); read %d bytes of its tensors; peak RSS "
-                 "so far %d", start.path, start.step, start.epoch, start.in_epoch, loaded.reader.bytes_read,
-                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                 "so far %d", start.path, start.step, start.position.epoch, start.position.in_epoch,
+                 loaded.reader.bytes_read, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     loaded.reader.close()
     return known
+
+
+def _say_resumed(run: Any, old: dict[str, Any]) -> None:
+    """The console's first word on a resume (rank 0): from where, what changed since the checkpoint (`old`: its
+    config), where the run now ends, and whether anything is left; the log gets every change."""
+    cfg, comm, start, meta = run.cfg, run.comm, run.start, run.start.state.meta
+    changes = config_changes(old, cfg.to_dict())
+    was = {"global_batch": int(old.get("batch_size") or 0) * int(old.get("accumulate") or 1) * _layout(meta)[0] or None,
+           **meta}
+    line = resumed_line(start.step, start.path, was, world=comm.size, changes=changes,
+                        global_batch=run.cursor.meta(run.par.data.size)["global_batch"])
+    planned = meta.get("schedule_steps")
+    notes = []
+    if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
+        notes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
+                     f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
+                     "on, the learning rate follows the new plan")
+    for change in changes + notes:
+        run.log.warning("config changed since the checkpoint: %s", change)
+    if comm.rank != 0:
+        return
+    grown = f"; the run now ends at step {run.total_steps} (it was planned to {planned})" if (
+        planned is not None and int(planned) != run.total_steps) else ""
+    print(line + grown, file=sys.stderr, flush=True)
+    if start.step >= run.total_steps:
+        print(f"nothing left to do: step {start.step} is this run's last (of {run.total_steps}); raise "
+              "--epochs or --max-steps to train on", file=sys.stderr, flush=True)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def _layout(meta: dict[str, Any]) -> list[int]:
@@ -170,11 +227,11 @@ def _layout_of(run: Any) -> list[int]:
     return [lay.data, lay.tensor, lay.pipe]
 
 
-def state(run: Any, sink: Any, epoch: int, in_epoch: int, segments: list[tuple[int, int]]) -> dict[str, Any]:
+def state(run: Any, sink: Any) -> dict[str, Any]:
     """What a checkpoint at this step boundary holds (called only when one is written): a split run's model
     and optimizer as each rank's shares of the whole tensors (`layoutfree.capture`)."""
     rank_state = {"rng": rngstate.capture(), "audit_lines": sink.flush_audit()}
-    meta = {"epoch": epoch, "step_in_epoch": in_epoch, "world_size": run.comm.size, "segments": segments,
+    meta = {**run.cursor.meta(run.par.data.size), "world_size": run.comm.size,
             "audit_frozen": run.audit_frozen, "data_fingerprint": run.shardset.fingerprint,
             "config": run.cfg.to_dict(), "schedule_steps": run.total_steps, "layout": _layout_of(run),
             "torch_threads": _threads(), "zero_reduce": getattr(run.sync, "reduce", None)}

@@ -19,6 +19,7 @@ from . import lm
 from .ckptload import Loaded
 from .hybrid import Parallel
 from .plan import Plan
+from .position import Cursor, Position
 from .precision import LossScaler
 from .tracing import Timeline
 from .watchdog import Watchdog
@@ -29,9 +30,7 @@ class Start:
     """Where the run starts: step 0, or a checkpoint (maybe written on another world size, mid-epoch)."""
 
     step: int = 0
-    epoch: int = 0
-    in_epoch: int = 0  # steps of `epoch` already done on this data-parallel world size
-    prior: list[tuple[int, int]] = field(default_factory=list)  # (data-parallel ranks, steps) of the epoch's earlier segments
+    position: Position = field(default_factory=Position)  # the epoch, and the steps of it already done
     resumed_from: int | None = None
     path: Path | None = None
     state: Loaded | None = None  # the checkpoint, opened (its tensors are read by `resume.restore`)
@@ -49,8 +48,7 @@ class Run:
     model: Any
     device: Any
     start: Start
-    reader: ShardReader  # the epochs after the first
-    first_reader: ShardReader  # the first epoch: the rest of an elastic one, or `reader`
+    cursor: Cursor  # where the run stands in its data, and its readers from there
     val_reader: ShardReader | None
     optimizer: Any
     scheduler: Any

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -32,7 +31,7 @@ from ..comm import Comm, world
 from ..base.config import TrainConfig
 from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, ParallelConfig, ZeroConfig
 from ..data import staging
-from ..data.reader import ShardReader, epoch_remainder
+from ..data.reader import ShardReader
 from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import replacing, write_failure, write_text
 from ..base.rankenv import RankEnv, read_env, select_device
@@ -40,6 +39,7 @@ from ..base.errors import ConfigError, HpctrainError
 from .runlog import RunLog
 from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
+from .position import Cursor
 from .precision import LossScaler
 from .step import auto_overlap, lr_factor, make_sync
 from .runstate import Outcome, Run
@@ -246,26 +246,18 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     import torch
 
     batch, dp = cfg.batch_size * cfg.accumulate, par.data
-    reader = stack.enter_context(contextlib.closing(ShardReader(
-        shardset, "train", rank=dp.rank, world=dp.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed)))
-    first_reader = reader
-    if start.prior:
-        done = epoch_remainder(shardset, "train", start.prior, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
-                               epoch=start.epoch)
-        first_reader = stack.enter_context(contextlib.closing(ShardReader(
-            shardset, "train", rank=dp.rank, world=dp.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed,
-            exclude=done, segment=len(start.prior))))
-        log.info("elastic resume: %d samples of epoch %d done on %s; %d left for %d ranks", len(done), start.epoch,
-                 start.prior, int(first_reader.counts.sum()), dp.size)
+    cursor = stack.enter_context(contextlib.closing(Cursor(ShardReader(
+        shardset, "train", rank=dp.rank, world=dp.size, batch_size=batch, shuffle=cfg.shuffle, seed=cfg.seed),
+        start.position)))
+    if cursor.prior:
+        log.info("elastic resume: epoch %d begun on %s (data-parallel ranks, steps); %d samples left for %d ranks",
+                 cursor.epoch, cursor.prior, int(cursor.reader.counts.sum()), dp.size)
     val_reader = None
     if "val" in shardset.splits:
         val_reader = stack.enter_context(contextlib.closing(ShardReader(
             shardset, "val", rank=dp.rank, world=dp.size, batch_size=max(cfg.batch_size, 256), shuffle=False,
             prefetch=0)))
-    total_steps = start.step
-    if start.epoch < cfg.epochs:
-        total_steps += (first_reader.steps_per_epoch - start.in_epoch
-                        + (cfg.epochs - start.epoch - 1) * reader.steps_per_epoch)
+    total_steps = start.step + cursor.steps_to(cfg.epochs)
     if cfg.max_steps:
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(device.type)
@@ -288,7 +280,7 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
         cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
         on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
     rates = lm.rates(cfg.precision, shardset, model, comm, device, flops=par.flops_per_token, watchdog=watchdog)
-    return Run(cfg, comm, log, watchdog, shardset, model, device, start, reader, first_reader, val_reader, optimizer,
+    return Run(cfg, comm, log, watchdog, shardset, model, device, start, cursor, val_reader, optimizer,
                scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps, rates,
                LossScaler() if cfg.precision == "fp16" else None, par=par)
 
@@ -297,19 +289,16 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
     """Epochs and steps until the planned total, a stop, or the end; a checkpoint at every boundary the
     policy asks for, on a stop and at the last step."""
     cfg, comm, watchdog, start = run.cfg, run.comm, run.watchdog, run.start
-    out = Outcome(step=start.step)
-    epoch = start.epoch
+    out, cursor = Outcome(step=start.step), run.cursor
     while out.step < run.total_steps:
-        first = epoch == start.epoch
-        reader = run.first_reader if first else run.reader
-        in_epoch = start.in_epoch if first else 0
-        done_before = start.prior if first else []
+        epoch = cursor.epoch
         run.model.train()
-        batches = run.timeline.batches(reader.epoch(epoch, in_epoch), out.step)  # each step marked on the timeline
+        batches = run.timeline.batches(cursor.batches(), out.step)  # each step marked on the timeline
         t_data = time.perf_counter()
         for batch in batches:
             t0 = time.perf_counter()
-            rows = int(reader.step_sizes(in_epoch).sum())
+            reader, index = cursor.current
+            rows = int(reader.step_sizes(index).sum())
             watchdog.phase("gradient allreduce", out.step + 1)
             loss = run.par.step(run.model, run.sync, run.optimizer, run.loss_fn, batch.x, batch.y,
                                 rows * run.rates.targets, clip_grad=cfg.clip_grad, device=run.device,
@@ -318,16 +307,15 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
             if out.step == start.step:  # the first step is done: the steady state's deadline from here on
                 watchdog.at_edge(None)
             run.scheduler.step()
-            out.step, in_epoch, out.samples = out.step + 1, in_epoch + 1, out.samples + rows
+            out.step, out.samples = out.step + 1, out.samples + rows
             index = batch.index if run.par.reporter else batch.index[:0]  # one rank per replica counts its samples
             out.epoch_loss, out.epoch_n = out.epoch_loss + loss, out.epoch_n + batch.y.size * run.par.reporter
             sink.step(epoch, index, loss, time.perf_counter() - t0, run.sync.comm_seconds, t0 - t_data)
-            end_of_epoch, last = in_epoch == reader.steps_per_epoch, out.step >= run.total_steps
+            end_of_epoch, last = cursor.position.epoch > epoch, out.step >= run.total_steps
             if sink.due(out.step, end_of_epoch, last):
                 _log_window(run, sink, out, epoch, end_of_epoch)
-            position = (epoch + 1, 0, []) if end_of_epoch else (epoch, in_epoch, [*done_before, (run.par.data.size, in_epoch)])
             watchdog.phase("stop/checkpoint agreement", out.step)
-            stopping = run.manager.save(out.step, lambda: resume.state(run, sink, *position), stop_requested=STOP.requested,
+            stopping = run.manager.save(out.step, lambda: resume.state(run, sink), stop_requested=STOP.requested,
                                         final=last)
             watchdog.idle()
             if stopping:
@@ -339,7 +327,6 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
         batches.close()
         if out.stop_signal is not None:
             break
-        epoch += 1
     run.manager.wait()
     watchdog.idle()
     return out
@@ -421,7 +408,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     watchdog.idle()
     m = run.manager
     summary = {
-        "world_size": comm.size, "epochs": math.ceil(step / max(1, run.reader.steps_per_epoch)), "steps": step,
+        "world_size": comm.size, "epochs": run.cursor.position.epochs_begun(), "steps": step,
         "global_batch_size": cfg.batch_size * cfg.accumulate * run.par.data.size, "train_loss": final_loss,
         "val_loss": out.last_val.get("val_loss"), "val_accuracy": out.last_val.get("val_accuracy"),
         "samples_per_s": samples_per_s, "train_time_s": train_time, "paused_s": paused,
