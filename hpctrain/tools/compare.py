@@ -6,14 +6,8 @@ that picked it, and each run's status. Reading a run is report.py's (`load_run`,
 that is still going); a run that cannot be read yet (no metrics.jsonl, no complete step) is a row marked
 missing, so one broken element of a sweep does not hide the others.
 
-A run's status comes from what the trainer leaves in RUN: summary.json for the step last logged is
-finished; a rank's log that says it was stopped (a checkpoint written: `--resume auto` continues it) is
-stopped; a rank's log that says training failed (or that a rank ended the job) is failed. Otherwise the
-ranks' heartbeat files (RUN/logs/rank-NNNN.heartbeat, written every second by runs on more than one rank,
-removed by each rank as it exits) tell them apart: a fresh one is running, only stale ones (killed ranks, a
-lost node) or none at all (every rank exited on an error they agreed on) is failed. A one-rank run writes no
-heartbeat, so without a summary or a stop it is reported running, with the age of its newest file to judge
-by. Only the latest attempt counts: a resumed run appends to its logs.
+A run's status (finished, stopped, failed or running) is `runstatus.run_status`'s, the same as a one-run
+report's.
 """
 
 from __future__ import annotations
@@ -21,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -31,94 +24,15 @@ from ..base.durable import write_text
 from ..base.errors import ConfigError, DataError, HpctrainError
 from .figures import new_figure, note_empty, save_png
 from .report import epochs, load_run
+from .runstatus import run_status
 
 COMPARE_FILES = {"plot": "compare.png", "table": "compare.md", "json": "compare.json"}
 """What a comparison writes into its out_dir, so the names are stable for scripts."""
 
-HEARTBEAT_STALE_S = 120.0
-"""A heartbeat older than this (ranks write one a second) means the rank is gone: killed, or its node lost."""
-
 CRITERIA = (("val_accuracy", "highest"), ("val_loss", "lowest"), ("train_loss", "lowest"))
 """The first figure that every readable run has picks the best run, in this order."""
 
-_FIRST_BEAT_S = 30.0  # a multi-rank attempt writes its first heartbeat a second after its log's first line
-_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank \d+ [A-Z]+ ")  # runlog.setup_logging's format
-_START = re.compile(r" INFO world (\d+), rank \d+, ")  # the trainer's first line of an attempt in a rank's log
-_STOPPED = re.compile(r" WARNING (stopped by \S+ at step \d+); checkpoint written")
-_FAILED = re.compile(r" ERROR (training failed|.*; ending the job|.*; aborting the job)$")  # a rank, the watchdog
-
-
 # -- one run -------------------------------------------------------------------------------------------------
-
-def _attempt(path: Path) -> tuple[int | None, list[str]]:
-    """The world size and the lines of the latest attempt in one rank's log (a resumed run appends)."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        found = _START.search(lines[i])
-        if found:
-            return int(found.group(1)), lines[i + 1:]
-    return None, lines
-
-
-def _failure(lines: list[str], at: int) -> str:
-    """The logged error at lines[at], with the last line of the traceback logged under it (the exception)."""
-    why = lines[at].split(" ERROR ", 1)[1]
-    below = []
-    for line in lines[at + 1:]:
-        if _LOG_LINE.match(line):
-            break
-        below.append(line.strip())
-    exception = next((line for line in reversed(below) if line), None)
-    return (f"{why}: {exception}" if exception else why)[:300]
-
-
-def _beat_age(path: Path, now: float) -> float:
-    try:
-        beat = json.loads(path.read_text())
-        return now - float(beat["time"])
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable: judge by when it was written
-        return now - path.stat().st_mtime
-
-
-def run_status(run: dict[str, Any], now: float | None = None) -> tuple[str, str]:
-    """(status, why) of a run read by `load_run`: finished, failed, stopped or running (see the module doc).
-
-    `now` is the time to judge heartbeats against (default: the clock).
-    """
-    if run["summary"] is not None:
-        return "finished", "summary.json"
-    now = time.time() if now is None else now
-    logs = Path(run["run_dir"]) / "logs"
-    world, _ = _attempt(logs / "rank-0000.log") if (logs / "rank-0000.log").is_file() else (None, [])
-
-    def current(path: Path) -> bool:  # logs of ranks beyond this attempt's world size are an earlier run's
-        try:
-            return world is None or int(path.name.split(".")[0].split("-")[1]) < world
-        except (IndexError, ValueError):
-            return False
-
-    stopped = None
-    for path in sorted(p for p in logs.glob("rank-*.log") if current(p)):
-        lines = _attempt(path)[1]
-        for i, line in enumerate(lines):
-            if _FAILED.search(line):
-                return "failed", _failure(lines, i)
-            stopped = stopped or _STOPPED.search(line)
-    if stopped:
-        return "stopped", f"{stopped.group(1)}; continue it with --resume auto"
-    ages = [_beat_age(p, now) for p in logs.glob("rank-*.heartbeat") if current(p)]
-    if ages and min(ages) <= HEARTBEAT_STALE_S:
-        return "running", f"heartbeat {max(0.0, min(ages)):.0f} s ago"
-    if ages:
-        return "failed", (f"no heartbeat for {min(ages):.0f} s and no summary.json: its ranks were killed, or "
-                          "their node lost (see RUN/logs and the job's output)")
-    files = [p for p in (Path(run["run_dir"]) / "metrics.jsonl", *logs.glob("rank-*.log")) if p.is_file()]
-    idle = now - max(p.stat().st_mtime for p in files)
-    if world is not None and world > 1 and idle > _FIRST_BEAT_S:  # every rank exited and removed its heartbeat
-        return "failed", ("its ranks exited without summary.json, a stop or a logged error (see RUN/logs and "
-                          "the job's output)")
-    return "running", f"no summary.json yet; last written {max(0.0, idle):.0f} s ago"
-
 
 def read_row(name: str, run_dir: Path, now: float | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One run's final figures as a row of the comparison, and the run as `load_run` read it (None, and

@@ -3,8 +3,8 @@
 This module owns reading what `train` leaves in RUN (metrics.jsonl, logs/rank-NNNN.jsonl, summary.json,
 config.toml) and drawing it. It reads a run that is still going: the trainer appends to the jsonl files, so
 an unterminated last line is a line being written and is skipped. A run without summary.json is "in
-progress" unless it says it ended (`runstatus.ended`: a stop's record, an error as a rank log's last word, or
-processes that are gone). Epochs are counted from 1, as the console counts them
+progress" unless it says it stopped or failed (`runstatus`: a logged stop or error, or processes that are
+gone). Epochs are counted from 1, as the console counts them
 (metrics.jsonl numbers them from 0). Nothing here imports torch or MPI; matplotlib is imported inside the drawing functions only,
 and it draws through the Agg canvas directly (no pyplot, no global backend switch), so a report can be made
 on a login node with no display, from a process that already uses another backend.
@@ -22,7 +22,7 @@ from ..base.config import read_train_toml
 from ..base.durable import write_text
 from ..base.errors import ConfigError, DataError
 from .figures import by_rank, new_figure, note_empty, save_png
-from .runstatus import ended
+from .runstatus import run_status
 
 PLOTS = {
     "loss": "loss.png",
@@ -120,8 +120,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
         elif isinstance(summary.get("world_size"), int):  # drop rank logs left by an earlier run on more ranks
             ranks = {r: recs for r, recs in ranks.items() if r < summary["world_size"]}
     return {"run_dir": run_dir, "metrics": metrics, "ranks": ranks, "summary": summary, "stale_summary": stale,
-            "config": _read_config(run_dir / "config.toml"),
-            "ended": ended(run_dir, metrics[-1]["step"]) if summary is None else None}
+            "config": _read_config(run_dir / "config.toml")}
 
 
 def epoch_number(rec: dict[str, Any]) -> Any:
@@ -301,7 +300,8 @@ def render_markdown(run: dict[str, Any], out_dir: Path) -> str:
         val = [m for m in metrics if "val_accuracy" in m]
         why = ("no summary.json yet" if run.get("stale_summary") is None else
                f"summary.json is from an earlier run in this directory: {run['stale_summary']} steps")
-        state, why = (run["ended"][0], f"{run['ended'][1]}; no summary.json") if run.get("ended") else ("in progress", why)
+        status = run.get("status") or ("running", "")
+        state, why = ("in progress", why) if status[0] == "running" else status
         lines += [f"**Status: {state}** ({why}). Last logged: step {last['step']}, epoch "
                   f"{epoch_number(last)}, loss {_fmt(last.get('loss'))}"
                   + (f", val_accuracy {val[-1]['val_accuracy']:.4f} after epoch {epoch_number(val[-1])}"
@@ -397,7 +397,8 @@ def report(run_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     if run is None:
         title += " (ended before its first logged step)" if hung else " (a timeline, no metrics)"
     elif run["summary"] is None:
-        title += f" ({run['ended'][0] if run['ended'] else 'in progress'})"
+        run["status"] = run_status(run)
+        title += f" ({'in progress' if run['status'][0] == 'running' else run['status'][0]})"
     written: dict[str, Any] = {key: out_dir / name for key, name in PLOTS.items()}
     plot_loss(run["metrics"] if run else [], written["loss"], title)
     plot_accuracy(run["metrics"] if run else [], written["accuracy"], title)

@@ -1,8 +1,17 @@
-"""How a run without a summary ended, or that nothing says it did (`ended`): what `hpctrain report` calls a run
-that is not finished. A run that ends writes summary.json; one that stops writes RUN/stopped.json; one that
-fails says why as its rank logs' last record; one that is killed leaves processes that are gone: the pid and
-host each rank logs when it starts (checked where the report runs on that host), and the heartbeats that its
-ranks rewrite every second (control.watchdog) no longer written (wherever it runs)."""
+"""A run's status, from what the trainer leaves in RUN: finished, stopped, failed or running (`run_status`), for
+a one-run report and for a comparison of several (one rule for both).
+
+summary.json for the step last logged is finished; a rank's log that says it was stopped (a checkpoint
+written: `--resume auto` continues it) is stopped; a rank's log that says training failed (or that a rank
+ended the job) is failed. Otherwise the processes tell: when every rank logged its start (pid and host) on
+the host the report runs on and none of those processes runs any more, the run is failed (killed, or ended
+on an error nothing logged). Where the ranks ran elsewhere, their heartbeat files (RUN/logs/rank-NNNN.heartbeat,
+written every second by runs on more than one rank, removed by each rank as it exits) tell them apart: a
+fresh one is running, only stale ones (killed ranks, a lost node) or none at all (every rank exited on an
+error they agreed on) is failed. A one-rank run on another host writes no heartbeat, so without a summary or
+a stop it is reported running, with the age of its newest file to judge by. Only the latest attempt counts: a
+resumed run appends to its logs.
+"""
 
 from __future__ import annotations
 
@@ -12,66 +21,57 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
-STALE_HEARTBEAT_S = 60.0  # no rank's heartbeat newer than this: the run's processes are gone (or frozen)
-_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank \d+ ([A-Z]+) (.*)$")
-_START = re.compile(r" INFO world \d+, rank \d+, local rank \d+, pid (\d+), host (\S+),")
+HEARTBEAT_STALE_S = 120.0
+"""A heartbeat older than this (ranks write one a second) means the rank is gone: killed, or its node lost."""
+
+_FIRST_BEAT_S = 30.0  # a multi-rank attempt writes its first heartbeat a second after its log's first line
+_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank \d+ [A-Z]+ ")  # runlog.setup_logging's format
+# the trainer's first line of an attempt in a rank's log: its world size, and where its process runs
+_START = re.compile(r" INFO world (\d+), rank \d+, local rank \d+, pid (\d+), host (\S+), ")
+_STOPPED = re.compile(r" WARNING (stopped by \S+ at step \d+(?: \([^)]*\))?); checkpoint written")  # (asked by ...)
+_FAILED = re.compile(r" ERROR (training failed|.*; ending the job|.*; aborting the job)$")  # a rank, the watchdog
 
 
-def ended(run_dir: Path, last_step: int, now: float | None = None) -> tuple[str, str] | None:
-    """("stopped" or "ended", why) for a run without a summary, or None when nothing says it ended (in
-    progress). `last_step`: its last logged step (a stop record of an earlier stop is older than that)."""
-    run_dir = Path(run_dir)
+def _attempt(path: Path) -> tuple[tuple[int, int, str] | None, list[str]]:
+    """(world size, pid, host) of the latest attempt in one rank's log (a resumed run appends), and its lines."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = _START.search(lines[i])
+        if found:
+            return (int(found.group(1)), int(found.group(2)), found.group(3)), lines[i + 1:]
+    return None, lines
+
+
+def _failure(lines: list[str], at: int) -> str:
+    """The logged error at lines[at], with the last line of the traceback logged under it (the exception)."""
+    why = lines[at].split(" ERROR ", 1)[1]
+    below = []
+    for line in lines[at + 1:]:
+        if _LOG_LINE.match(line):
+            break
+        below.append(line.strip())
+    exception = next((line for line in reversed(below) if line), None)
+    return (f"{why}: {exception}" if exception else why)[:300]
+
+
+def _beat_age(path: Path, now: float) -> float:
     try:
-        stop = json.loads((run_dir / "stopped.json").read_text())
-    except (OSError, ValueError):
-        stop = None
-    if isinstance(stop, dict) and isinstance(stop.get("step"), int) and stop["step"] >= last_step:
-        return "stopped", (f"stopped by {stop.get('signal', 'a signal')} at step {stop['step']} (asked by "
-                           f"{stop.get('asked_by', '?')}), checkpoint {stop.get('checkpoint', '?')}: run the same "
-                           "command to continue")
-    logs = sorted((run_dir / "logs").glob("rank-*.log"))
-    texts = [_read(path) for path in logs]
-    why = [f"error: {e}" for e in [next((e for e in map(_last_error, texts) if e), None)] if e]
-    gone = _gone(texts, run_dir / "logs", time.time() if now is None else now)
-    if gone:
-        why.append(gone)
-    return ("ended", "; ".join(why)) if why else None
+        beat = json.loads(path.read_text())
+        return now - float(beat["time"])
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: judge by when it was written
+        return now - path.stat().st_mtime
 
 
-def _read(path: Path) -> list[str]:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-
-
-def _last_error(lines: list[str]) -> str | None:
-    """The message of a rank log's last record when that record is an error (the run's last word)."""
-    for line in reversed(lines):
-        m = _RECORD.match(line)
-        if m:
-            return m.group(2) if m.group(1) in ("ERROR", "CRITICAL") else None
-    return None
-
-
-def _gone(texts: list[list[str]], logs: Path, now: float) -> str | None:
-    """A line when the run's processes are gone: every rank that logged its start did so on this host and runs
-    no more, or no rank has rewritten its heartbeat for STALE_HEARTBEAT_S; else None."""
-    starts = [next((m.groups() for m in map(_START.search, reversed(lines)) if m), None) for lines in texts]
+def _gone(starts: list[tuple[int, int, str]]) -> str | None:
+    """Why the run's processes are gone, when every rank's started on this host and none runs; else None."""
     here = socket.gethostname()
-    if starts and all(s is not None and s[1] == here and not _running(int(s[0])) for s in starts):
-        return f"its processes (pid {', '.join(s[0] for s in starts if s)} on {here}) are gone: aborted or killed"
-    beats = []
-    for path in logs.glob("rank-*.heartbeat"):
-        try:
-            beats.append(float(json.loads(path.read_text())["time"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    if beats and now - max(beats) > STALE_HEARTBEAT_S:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(beats)))
-        return f"no rank has written its heartbeat since {when}: its processes are gone (aborted or killed)"
-    return None
+    if not starts or any(host != here or _running(pid) for _, pid, host in starts):
+        return None
+    pids = ", ".join(str(pid) for _, pid, _ in starts)
+    return (f"its processes (pid {pids} on {here}) are gone without summary.json, a stop or a logged error: "
+            "killed, or ended on an error (see RUN/logs and the job's output)")
 
 
 def _running(pid: int) -> bool:
@@ -80,6 +80,49 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's
         return True
     return True
+
+
+def run_status(run: dict[str, Any], now: float | None = None) -> tuple[str, str]:
+    """(status, why) of a run read by `report.load_run`: finished, failed, stopped or running (see the module
+    doc). `now` is the time to judge heartbeats against (default: the clock)."""
+    if run["summary"] is not None:
+        return "finished", "summary.json"
+    now = time.time() if now is None else now
+    logs = Path(run["run_dir"]) / "logs"
+    first = _attempt(logs / "rank-0000.log")[0] if (logs / "rank-0000.log").is_file() else None
+    world = first[0] if first else None
+
+    def current(path: Path) -> bool:  # logs of ranks beyond this attempt's world size are an earlier run's
+        try:
+            return world is None or int(path.name.split(".")[0].split("-")[1]) < world
+        except (IndexError, ValueError):
+            return False
+
+    stopped, starts = None, []
+    for path in sorted(p for p in logs.glob("rank-*.log") if current(p)):
+        start, lines = _attempt(path)
+        starts.append(start)
+        for i, line in enumerate(lines):
+            if _FAILED.search(line):
+                return "failed", _failure(lines, i)
+            stopped = stopped or _STOPPED.search(line)
+    if stopped:
+        return "stopped", f"{stopped.group(1)}; continue it with --resume auto"
+    gone = _gone(starts) if world is not None and len(starts) == world and None not in starts else None
+    if gone:
+        return "failed", gone
+    ages = [_beat_age(p, now) for p in logs.glob("rank-*.heartbeat") if current(p)]
+    if ages and min(ages) <= HEARTBEAT_STALE_S:
+        return "running", f"heartbeat {max(0.0, min(ages)):.0f} s ago"
+    if ages:
+        return "failed", (f"no heartbeat for {min(ages):.0f} s and no summary.json: its ranks were killed, or "
+                          "their node lost (see RUN/logs and the job's output)")
+    files = [p for p in (Path(run["run_dir"]) / "metrics.jsonl", *logs.glob("rank-*.log")) if p.is_file()]
+    idle = now - max(p.stat().st_mtime for p in files)
+    if world is not None and world > 1 and idle > _FIRST_BEAT_S:  # every rank exited and removed its heartbeat
+        return "failed", ("its ranks exited without summary.json, a stop or a logged error (see RUN/logs and "
+                          "the job's output)")
+    return "running", f"no summary.json yet; last written {max(0.0, idle):.0f} s ago"

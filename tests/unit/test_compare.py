@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from conftest import PYTHON, hpctrain, mpi_env
 from hpctrain.base.errors import DataError
 from hpctrain.cli.report import report as report_cmd
-from hpctrain.tools.compare import COMPARE_FILES, HEARTBEAT_STALE_S, compare_runs, run_status
+from hpctrain.tools.compare import COMPARE_FILES, compare_runs
+from hpctrain.tools.runstatus import HEARTBEAT_STALE_S, run_status
 from hpctrain.tools.report import PLOTS, load_run
 
 app = typer.Typer()

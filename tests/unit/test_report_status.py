@@ -1,5 +1,5 @@
 """`hpctrain report` says how a run without a summary ended, counts epochs as the console does, and reports a
-library run's timeline (#54 item 10): a stopped or killed run was "in progress", epochs were numbered from 0
+library run's timeline (#54 item 10): a stopped, aborted or killed run was "in progress", epochs were numbered from 0
 where the console counts from 1, and a run of your own loop with a timeline was refused for its missing
 metrics.jsonl."""
 
@@ -62,24 +62,24 @@ def test_a_stopped_run_is_stopped_and_its_epochs_count_as_the_console_does(digit
     assert f"Last logged: step {last}, epoch {console[last]}," in md, md
 
 
-def test_a_killed_run_has_ended(digits2: Path, tmp_path: Path) -> None:
+def test_a_killed_run_has_failed(digits2: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = _started(digits2, run)
     proc.kill()  # no stop record, no error, no summary: only its process is gone
     proc.communicate(timeout=60)
     md = _report(run)
-    assert "in progress" not in md and "**Status: ended**" in md, md
+    assert "in progress" not in md and "**Status: failed**" in md, md
     assert f"its processes (pid {proc.pid} on " in md and ") are gone" in md, md
 
 
 @pytest.mark.mpi
-def test_an_aborted_run_has_ended_with_its_error(digits2: Path, tmp_path: Path) -> None:
+def test_an_aborted_run_has_failed_with_its_error(digits2: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = mpirun(2, ["train", "--data", str(digits2), "--run-dir", str(run), "--max-steps", "50", "--log-every", "2",
                       "--collective-timeout", "5"], check=False, timeout=240, env=mpi_env(HPCTRAIN_TEST_HANG="1:5:0"))
     assert proc.returncode != 0
     md = _report(run)
-    assert "in progress" not in md and "**Status: ended** (error: rank " in md, md
+    assert "in progress" not in md and "**Status: failed** (rank " in md and "aborting the job" in md, md
 
 
 def test_a_library_runs_timeline_is_reported(tmp_path: Path) -> None:
