@@ -97,16 +97,34 @@ def pick_best(rows: list[dict[str, Any]]) -> tuple[str | None, str | None, str]:
     return None, None, "no figure that every run has"
 
 
+_DASHES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _styles(names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each run's colour, line style and marker, no two runs alike in all three (up to the palette's colours times
+    the four line styles), and where along its line its markers sit: the runs' markers take turns, so that
+    runs with the same figures (a rerun, a seed that does not matter) still show each one."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    turns = min(len(names), 4)
+    return {name: {"color": palette(i % palette.N), "linestyle": _DASHES[(i + i // palette.N) % len(_DASHES)],
+                   "marker": _MARKERS[i % len(_MARKERS)], "markevery": (i % turns, turns)}
+            for i, name in enumerate(names)}
+
+
 def _plot_panel(ax: Any, series: list[tuple[str, list[dict[str, Any]]]], key: str, best: str | None,
-                colors: dict[str, Any]) -> None:
+                styles: dict[str, dict[str, Any]]) -> None:
     drawn = 0
     for name, metrics in series:
         points = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
         if points:
-            style = {"linewidth": 2.2 if name == best else 1.2, "zorder": 3 if name == best else 2}
-            color, dash = colors[name]
-            ax.plot(*zip(*points), marker="o" if key != "loss" else None, linestyle=dash, markersize=3, color=color,
-                    label=name + (" (best)" if name == best else ""), **style)
+            # the best run wide and underneath: a run drawn over it stays visible, even one with the same figures
+            style = {"linewidth": 3.0 if name == best else 1.2, "zorder": 2 if name == best else 3}
+            every = styles[name]["markevery"] if key == "loss" else None  # few points at epoch ends: mark all
+            ax.plot(*zip(*points), markersize=4, label=name + (" (best)" if name == best else ""),
+                    **{**styles[name], "markevery": every}, **style)
             drawn += 1
     if not drawn:
         note_empty(ax, f"no {key} logged yet")
@@ -118,12 +136,9 @@ def _plot_panel(ax: Any, series: list[tuple[str, list[dict[str, Any]]]], key: st
 def plot_comparison(series: list[tuple[str, list[dict[str, Any]]]], path: Path, best: str | None,
                     missing: tuple[str, ...] = ()) -> None:
     """Training loss (top) and validation loss and accuracy (below) over steps, one line per run; the
-    best run drawn thicker and marked in the legend; the `missing` runs named in the title."""
-    import matplotlib
-
-    palette = matplotlib.colormaps["tab10" if len(series) <= 10 else "tab20"]
-    dashes = ("-", "--", ":", "-.")  # beyond the palette's colours, the same colours dashed
-    colors = {name: (palette(i % palette.N), dashes[i // palette.N % 4]) for i, (name, _) in enumerate(series)}
+    best run drawn wider, underneath the others, and marked in the legend; each run its own colour, line style
+    and marker (`_styles`); the `missing` runs named in the title."""
+    styles = _styles([name for name, _ in series])
     fig = new_figure(11.0, max(7.0, 1.2 + 0.24 * len(series)))
     grid = fig.add_gridspec(2, 2)
     panels = {"loss": fig.add_subplot(grid[0, :]), "val_loss": fig.add_subplot(grid[1, 0]),
@@ -131,7 +146,7 @@ def plot_comparison(series: list[tuple[str, list[dict[str, Any]]]], path: Path, 
     titles = {"loss": "training loss (logged window)", "val_loss": "validation loss (epoch end)",
               "val_accuracy": "validation accuracy (epoch end)"}
     for key, ax in panels.items():
-        _plot_panel(ax, series, key, best, colors)
+        _plot_panel(ax, series, key, best, styles)
         ax.set_title(titles[key], fontsize=10)
     handles, labels = [], []
     for ax in panels.values():  # one legend entry per run, from whichever panel drew it

@@ -37,7 +37,8 @@ def save_png(fig: Any, path: Path) -> None:
 def by_rank(ax: Any, series: dict[int, tuple[list[float], list[float]]], title: str, ylabel: str | None,
             color: str | None = None, few: int = 8) -> None:
     """One quantity over the steps, {rank: (steps, values)}: a line per rank up to `few` ranks, beyond that the
-    median rank and the min-max band of all; titled, on a grid from zero (the y label on the first column)."""
+    median rank and the min-max band of all; titled, on a grid from zero (the y label on the first column). Each
+    line is labelled for the figure's one legend (`legend_outside`), drawn outside the axes."""
     if len(series) <= few:
         for r, (xs, ys) in sorted(series.items()):
             ax.plot(xs, ys, linewidth=1, label=f"rank {r}", color=f"C{r % 10}" if color is None else None)
@@ -56,4 +57,16 @@ def by_rank(ax: Any, series: dict[int, tuple[list[float], list[float]]], title: 
     ax.grid(alpha=0.3)
     if ylabel is not None:
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
+
+
+def legend_outside(fig: Any, axes: list[Any], loc: str = "outside lower center", ncols: int = 1) -> None:
+    """One legend of what `axes` drew (each label once), outside every axes so that it never covers data: the
+    figure's constrained layout makes room for it at `loc` ("outside lower center", "outside right upper")."""
+    handles, labels = [], []
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    if handles:
+        fig.legend(handles, labels, loc=loc, ncols=ncols, fontsize=8)

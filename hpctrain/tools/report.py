@@ -21,7 +21,7 @@ from typing import Any
 from ..base.config import read_train_toml
 from ..base.durable import write_text
 from ..base.errors import ConfigError, DataError
-from .figures import by_rank, new_figure, note_empty, save_png
+from .figures import by_rank, legend_outside, new_figure, note_empty, save_png
 from .runstatus import run_status
 
 PLOTS = {
@@ -190,7 +190,7 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-        ax.legend()
+        legend_outside(fig, [ax], ncols=2)
     ax.set_title(f"Loss: {title}")
     save_png(fig, path)
 
@@ -209,7 +209,7 @@ def plot_accuracy(metrics: list[dict[str, Any]], path: Path, title: str) -> None
         best = max(range(len(ys)), key=ys.__getitem__)
         ax.plot([xs[best]], [ys[best]], "*", color="#C44E52", markersize=12,
                 label=f"best {ys[best]:.4f} (epoch {xs[best]})")
-        ax.legend(loc="best")
+        legend_outside(fig, [ax], ncols=2)
         ax.set_ylim(max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.02) + 0.01)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("epoch")
@@ -242,7 +242,7 @@ def plot_throughput(metrics: list[dict[str, Any]], path: Path, title: str) -> No
         ax.set_xlabel("step")
         ax.set_ylabel(f"{unit} (all ranks)")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        legend_outside(fig, [ax], ncols=2)
     ax.set_title(f"Throughput: {title}")
     save_png(fig, path)
 
@@ -268,13 +268,13 @@ def plot_timing(ranks: dict[int, list[dict[str, Any]]], path: Path, title: str) 
     bars.set_xlabel("rank")
     bars.set_ylabel("mean ms per step")
     bars.set_xticks(order if len(order) <= 32 else order[:: max(1, len(order) // 16)])
-    bars.legend(loc="upper right", ncols=3, fontsize=9)
     bars.grid(axis="y", alpha=0.3)
-    bars.set_ylim(0, max(bottom) * 1.2 or 1.0)
+    bars.set_ylim(0, max(bottom) * 1.1 or 1.0)
     for col, part in enumerate(("compute", "comm", "data")):  # a line per rank, or the median and the band
         series = {r: ([x["step"] for x in ranks[r]], [step_parts(x)[part] for x in ranks[r]]) for r in order}
         by_rank(fig.add_subplot(grid[1, col]), series, labels[part], "ms per step" if col == 0 else None,
                 color=_COLORS[part] if len(order) > 8 else None)
+    legend_outside(fig, fig.axes[:2], "outside right upper")  # the bars' parts, then the ranks' lines
     fig.suptitle(f"Time per step by rank: {title}")
     save_png(fig, path)
 

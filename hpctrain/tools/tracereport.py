@@ -16,7 +16,7 @@ from typing import Any
 from ..trace.chrome import clock_summary, merge, read_ranks
 from ..trace.lineup import line_up, read_dumps
 from ..trace.straggler import TP_SUMS, analyse, collectives, phase_times
-from .figures import by_rank, new_figure, note_empty, save_png
+from .figures import by_rank, legend_outside, new_figure, note_empty, save_png
 
 STRAGGLER_PNG = "straggler.png"
 _SHOWN = ("data wait", "forward", "backward", "wait", "optimizer")
@@ -99,6 +99,7 @@ def plot_straggler(docs: list[dict[str, Any]], found: dict[str, Any], path: Path
     for col, phase in enumerate(shown):
         series = {d["rank"]: (sorted(t), [t[s][phase] * 1e3 for s in sorted(t)]) for d, t in zip(docs, times)}
         by_rank(fig.add_subplot(grid[0, col]), series, phase, "ms" if col == 0 else None)
+    legend_outside(fig, fig.axes[:1], "outside right upper")
     ax = fig.add_subplot(grid[1, :])
     colls = collectives(docs)
     if not colls:
