@@ -6,6 +6,8 @@ reference MLP (784-2048-2048-10, batch 64 per rank) on 4 ranks, steps 6-35 trace
 the median step, and each injected run then makes a random rank sleep `--factor` times that long in its data
 path before every step (HPCTRAIN_TEST_STRAGGLER: the rank is (1 + factor) times as slow). An injected run
 passes when summary.json's verdict names that rank and the data wait; a clean one when it says "no straggler".
+With `--pp 2` the 4 ranks are a pipeline of 2 stages with D = 2 (#54): every rank is slowed in turn, one clean
+run before each round of 4, and the tally is per slowed rank.
 
 Hangs: `--runs` runs of 4 ranks where a random rank never enters the collective of a random gradient bucket at a
 random step (HPCTRAIN_TEST_HANG), with `--collective-timeout 5`; with `--sigstop`, as many more where a random
@@ -14,7 +16,7 @@ the collective where the ranks diverge (its bucket and step, for the test hook) 
 arrived (for SIGSTOP: the stopped rank, named by its silent heartbeat as the one that left no record, or, when
 mpirun's teardown continued it and it dumped late, as the rank that did not run).
 
-    python benchmarks/trace_verdicts.py [--runs 10] [--factor 0.5] [--seed 28] [--sigstop] [--json]
+    python benchmarks/trace_verdicts.py [--runs 10] [--factor 0.5] [--seed 28] [--sigstop] [--pp 2] [--json]
 """
 
 from __future__ import annotations
@@ -44,27 +46,35 @@ def _train(data: Path, run: Path, extra: list[str], env: dict[str, str] | None =
                            str(run), *TRAIN, *extra], capture_output=True, text=True, env=env or ENV, timeout=timeout)
 
 
-def stragglers(work: Path, runs: int, factor: float, rng: random.Random) -> list[dict]:
-    out = []
-    for i in range(2 * runs):
-        injected = i % 2 == 1  # clean first: each injection is sized on the clean run before it
+def stragglers(work: Path, runs: int, factor: float, rng: random.Random, pp: int = 1) -> list[dict]:
+    """`runs` injected runs, each after a clean one; with a pipeline (pp > 1) `runs` per rank, every rank in
+    turn, one clean run before each round."""
+    out: list[dict] = []
+    cycle = RANKS + 1 if pp > 1 else 2  # a clean run first: each injection is sized on the clean run before it
+    clean_step_ms = 100.0
+    for i in range(cycle * runs):
+        injected = i % cycle != 0
         run = work / f"straggler{i}"
         rank, sleep = None, 0.0
         env = dict(ENV)
         if injected:
-            rank = rng.randrange(RANKS)
-            sleep = factor * out[-1]["step_ms"] / 1e3
+            rank = i % cycle - 1 if pp > 1 else rng.randrange(RANKS)
+            sleep = factor * clean_step_ms / 1e3
             env["HPCTRAIN_TEST_STRAGGLER"] = f"{rank}:{sleep:.4f}"
-        proc = _train(work / "data", run, ["--max-steps", "36", "--trace", "6:35"], env)
+        piped = ["--pp", str(pp)] if pp > 1 else []
+        proc = _train(work / "data", run, ["--max-steps", "36", "--trace", "6:35", *piped], env)
         if proc.returncode:
-            out.append({"injected": injected, "ok": False, "error": proc.stderr[-500:],
-                        "step_ms": out[-1]["step_ms"] if out else 100.0})
+            out.append({"injected": injected, "rank": rank, "ok": False, "error": proc.stderr[-500:],
+                        "step_ms": clean_step_ms})
             print(f"  run {i} failed: {proc.stderr[-300:]}", flush=True)
             continue
         found = json.loads((run / "summary.json").read_text())["straggler"]
-        ok = (found["rank"] == rank and found["phase"] == "data wait") if injected else found["verdict"] == "no straggler"
+        # a pipelined run's verdict ends with a note on the bubble: "no straggler (a pipeline: ...)"
+        ok = (found["rank"] == rank and found["phase"] == "data wait") if injected else \
+            found["verdict"].startswith("no straggler")
+        clean_step_ms = found["step_ms"] if not injected else clean_step_ms
         out.append({"injected": injected, "rank": rank, "sleep_ms": sleep * 1e3, "verdict": found["verdict"], "ok": ok,
-                    "step_ms": found["step_ms"] if not injected else (out[-1]["step_ms"] if out else found["step_ms"])})
+                    "step_ms": clean_step_ms})
         print(f"  {'injected rank %d +%.1f ms' % (rank, sleep * 1e3) if injected else 'clean':<26} "
               f"{'ok  ' if ok else 'MISS'} {found['verdict']}", flush=True)
     return out
@@ -129,6 +139,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=28)
     ap.add_argument("--sigstop", action="store_true")
     ap.add_argument("--only", choices=("stragglers", "hangs"))
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages of the 4 ranks (2: D = 2); every rank slowed "
+                    "--runs times")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -139,7 +151,7 @@ def main() -> None:
                         "--val-fraction", "0"], check=True, capture_output=True, env=ENV)
         if args.only != "hangs":
             print(f"stragglers ({args.runs} injected, one rank {1 + args.factor:g}x as slow; {args.runs} clean):")
-            result["stragglers"] = stragglers(work, args.runs, args.factor, rng)
+            result["stragglers"] = stragglers(work, args.runs, args.factor, rng, args.pp)
         if args.only != "stragglers":
             print(f"hangs ({args.runs} by the test hook" + (f", {args.runs} by SIGSTOP" if args.sigstop else "") + "):")
             result["hangs"] = hangs(work, args.runs, rng, args.sigstop)
@@ -149,6 +161,10 @@ def main() -> None:
     if s:
         print(f"straggler named with its phase: {sum(r['ok'] for r in inj)} of {len(inj)}; "
               f"'no straggler' on clean runs: {sum(r['ok'] for r in clean)} of {len(clean)}")
+        if args.pp > 1:
+            print("named per slowed rank: " + ", ".join(
+                f"rank {k} {sum(r['ok'] for r in inj if r['rank'] == k)} of {sum(r['rank'] == k for r in inj)}"
+                for k in range(RANKS)))
     if h:
         hook, stop = [r for r in h if "SIGSTOP" not in r["what"]], [r for r in h if "SIGSTOP" in r["what"]]
         print(f"hang diagnosed (collective and missing rank): {sum(r['ok'] for r in hook)} of {len(hook)} by the test "
