@@ -135,8 +135,11 @@ def own_arrivals(c: dict[str, Any], pos: dict[int, int], waits: list[list[tuple[
         i = pos[rank]
         before = bisect.bisect_left(leaves[i], arrive)
         since = leaves[i][before - 1] if before else float("-inf")
-        out.append(arrive - sum(max(0.0, min(end, arrive) - max(start, since)) for start, end in waits[i]
-                                if start < arrive and end > since))
+        # one thread's waits, one after another: sorted by start and by end alike
+        lo = bisect.bisect_right(waits[i], (since, since))
+        lo = lo - 1 if lo and waits[i][lo - 1][1] > since else lo
+        hi = bisect.bisect_left(waits[i], (arrive, arrive))
+        out.append(arrive - sum(max(0.0, min(end, arrive) - max(start, since)) for start, end in waits[i][lo:hi]))
     return out
 
 
