@@ -4,8 +4,8 @@
     mpirun -n 2 python examples/custom_loop.py --data data/ --run-dir runs/loop [--accumulate 2] [--trace 10:30]
 
 Every rank reads only its own shards (every sample once per epoch), the allreduce of each micro-batch
-group starts during the last micro-batch's backward, SIGTERM/SIGUSR2 stops the loop at the next step with
-a checkpoint, and running the same command again resumes exactly where it stopped. With --trace, every rank's
+group starts during the last micro-batch's backward, a stop (Ctrl-C, SIGTERM, SIGUSR2) ends the loop at the next
+step with a checkpoint and exit 3, and running the same command again resumes exactly where it stopped. With --trace, every rank's
 steps of the window are recorded and merged into RUN/trace.json (open it in ui.perfetto.dev), and rank 0 says
 whether a rank straggled.
 """
@@ -74,5 +74,5 @@ if traced and ctx.rank == 0:
 in_sync = hpctrain.ranks_in_sync(model)
 if ctx.rank == 0:
     print(json.dumps({"step": step, "in_sync": in_sync, "param_sha256": hpctrain.param_hash(model),
-                      "stopped": stopped}))
+                      "stopped": stopped, "asked_by": ck.asked_by}))
 raise SystemExit(3 if stopped else 0)

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from .control import checkpoint as ckpt
-from .control import ckptstate, resume, rngstate
+from .control import ckptstate, resume, rngstate, runlog
 from .control.ckptload import open_checkpoint
 from .control.position import Cursor, Position
 from .control.step import in_kernel_mean, step_dividing
@@ -403,7 +403,7 @@ class ShardLoader:
 
 
 class Checkpointer:
-    """Atomic, verifiable checkpoints of a custom loop, stops on SIGTERM/SIGUSR2, exact resume.
+    """Atomic, verifiable checkpoints of a custom loop, stops on a stop signal (`asked_by`: who), exact resume.
 
         ck = hpctrain.Checkpointer("runs/x", every=100)
         step = ck.restore(model, opt, loader, scheduler=sched)    # 0 on a fresh start
@@ -421,7 +421,8 @@ class Checkpointer:
         ctx = init()
         self.run_dir = Path(run_dir)
         self.manager = ckpt.CheckpointManager(self.run_dir, ctx.comm, every=every, keep=keep)
-        self._installed = STOP.install()  # SIGTERM/SIGUSR2 set the flag (not in the main thread: left alone)
+        self._installed = STOP.install()  # the stop signals set the flag (not in the main thread: left alone)
+        self.asked_by: str | None = None  # after a stop: "user" (Ctrl-C, SIGINT) or "scheduler" (SIGTERM, SIGUSR2)
 
     def _state(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None,
                scheduler: Any = None) -> dict[str, Any]:
@@ -466,9 +467,11 @@ class Checkpointer:
     def step(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None, *,
              scheduler: Any = None) -> bool:
         """Call at every step boundary on every rank; returns True when the loop must stop (a checkpoint of
-        this step has been written)."""
-        return self.manager.save(step, lambda: self._state(step, model, optimizer, loader, scheduler),
-                                 stop_requested=STOP.requested)
+        this step has been written, and `asked_by` and RUN/stopped.json say who asked)."""
+        stopping = self.manager.save(step, lambda: self._state(step, model, optimizer, loader, scheduler),
+                                     stop_requested=STOP.requested)
+        self.asked_by = runlog.record_stop(init().comm, self.run_dir, step) if stopping else None
+        return stopping
 
     def close(self, step: int, model: Any, optimizer: Any, loader: ShardLoader | None = None, *,
               scheduler: Any = None) -> None:

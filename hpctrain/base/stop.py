@@ -6,10 +6,11 @@ supervisor requeues the job after it) or by a person (SIGINT: Ctrl-C, `scancel -
 requeued). A signal handler only sets a flag; the ranks agree on it at the next step boundary, write one
 checkpoint together and exit with `STOP_EXIT`, whoever asked. A second Ctrl-C ends the process at once
 (KeyboardInterrupt), as a program that ignores the first would otherwise never end; a copy of the first
-(Slurm signals a task and its wrapper, which passes it on) is not a second one. There is one flag per process, installed as early as possible
-(`python -m hpctrain train` does it before importing anything slow), so a stop that arrives while the
-process is still starting is kept for the first step boundary instead of killing the rank (the default
-action of SIGUSR2 is to terminate).
+(Slurm signals a task and its wrapper, which passes it on) is not a second one.
+
+There is one flag per process, installed as early as possible (`python -m hpctrain train` does it before
+importing anything slow), so a stop that arrives while the process is still starting is kept for the first
+step boundary instead of killing the rank (the default action of SIGUSR2 is to terminate).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
     RUN/tensorboard/           with --tensorboard (rank 0)
     RUN/logs/rank-NNNN.log     every rank's log (`setup_logging`)
     RUN/config.toml            rank 0: the resolved config (`write_config`)
-    RUN/stopped.json           rank 0, after a stop: its step, signal and who asked (`write_stop`)
+    RUN/stopped.json           rank 0, after a stop: its step, signal and who asked (`record_stop`)
 and on rank 0 a progress bar on a terminal, or one plain line per logged step in a log file (Slurm).
 
 Only files: the reductions that make a record (loss over ranks, validation) are the trainer's. A resumed
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,8 @@ from ..base.sections import LoggingConfig
 from ..base.errors import HpctrainError
 from ..base.durable import FAULTS, write_failure, write_text
 from ..base.progress import Progress
+from ..base.stop import FLAG as STOP
+from .checkpoint import step_dir_name
 
 
 class RunFile:
@@ -163,13 +166,19 @@ def write_config(run_dir: Path, sections: dict[str, Any]) -> None:
         write_text(run_dir / "config.toml", write_toml(sections))
 
 
-def write_stop(run_dir: Path, step: int, signame: str, asked_by: str, checkpoint: Path) -> None:
-    """RUN/stopped.json: the run stopped at `step` with `checkpoint` written, on `signame`, asked by "user"
-    (a person: nothing requeues the run) or "scheduler" (a preemption or the time limit: the Slurm
-    supervisor requeues it). A run that starts again removes it (`prepare`)."""
-    with _writing(run_dir / "stopped.json"):
-        write_text(run_dir / "stopped.json", json.dumps({"step": step, "signal": signame, "asked_by": asked_by,
-                                                         "checkpoint": str(checkpoint), "time": time.time()}) + "\n")
+def record_stop(comm: Any, run_dir: Path, step: int) -> str:
+    """After the stop's checkpoint (of `step`), on every rank: agree whether a person asked on any rank (a
+    Ctrl-C that reached one rank; one small allreduce), and on rank 0 write RUN/stopped.json: the
+    step, this rank's stop signal and who asked, "user" (a person: nothing requeues the run) or "scheduler"
+    (a preemption or the time limit: the Slurm supervisor requeues it). A run that starts again removes it
+    (`prepare`). Returns who asked. `train` and the library's `Checkpointer` both stop through here."""
+    by = "user" if comm.allreduce_array([float(STOP.user)], op="max")[0] else "scheduler"
+    if comm.rank == 0:
+        record = {"step": step, "signal": signal.Signals(STOP.signum).name if STOP.signum else None, "asked_by": by,
+                  "checkpoint": str(run_dir / "checkpoints" / step_dir_name(step)), "time": time.time()}
+        with _writing(run_dir / "stopped.json"):
+            write_text(run_dir / "stopped.json", json.dumps(record) + "\n")
+    return by
 
 
 def prepare(run_dir: Path, audit: bool, rank: int, step: int, audit_lines: dict[str, int] | None) -> None:

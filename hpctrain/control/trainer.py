@@ -360,15 +360,12 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
 
 
 def _stopped(run: Run, step: int, name: str) -> None:
-    """After the stop's checkpoint: agree whether a person asked on any rank (a Ctrl-C that reached one
-    rank), record the stop (rank 0: RUN/stopped.json, which says whether to requeue) and raise StopRequested."""
-    cfg, comm = run.cfg, run.comm
+    """After the stop's checkpoint: record the stop (RUN/stopped.json, which says who asked and so whether to
+    requeue) and raise StopRequested."""
+    path = run.cfg.run_dir / "checkpoints" / ckpt.step_dir_name(step)
     run.watchdog.phase("stop: who asked", step)
-    by = "user" if comm.allreduce_array([float(STOP.user)], op="max")[0] else "scheduler"
+    by = runlog.record_stop(run.comm, run.cfg.run_dir, step)
     run.watchdog.idle()
-    path = cfg.run_dir / "checkpoints" / ckpt.step_dir_name(step)
-    if comm.rank == 0:
-        runlog.write_stop(cfg.run_dir, step, name, by, path)
     run.log.warning("stopped by %s at step %d (asked by the %s); checkpoint written", name, step, by)
     raise StopRequested(f"stopped by {name} at step {step}: checkpoint written to {path}; run the same command "
                         "to continue")

@@ -167,3 +167,22 @@ def test_the_slurm_supervisor_requeues_a_scheduler_s_stop_and_not_a_user_s(digit
     assert events[-1]["event"] == ("requeued" if requeued else "stopped"), events
     if not requeued:
         assert events[-1]["reason"] == "user" and "not requeued" in err, (events, err)
+
+
+def test_ctrl_c_to_the_library_example_checkpoints_exits_3_and_says_who_asked(digits2: Path, tmp_path: Path) -> None:
+    """examples/custom_loop.py, one process, no launcher: a Ctrl-C makes `Checkpointer.step` write a checkpoint
+    and return True; its `asked_by` (and RUN/stopped.json) says a person asked. Before: KeyboardInterrupt."""
+    run = tmp_path / "run"
+    proc = start([PYTHON, str(Path(__file__).parents[2] / "examples" / "custom_loop.py"), "--data", str(digits2),
+                  "--run-dir", str(run), "--epochs", "300"])
+    deadline = time.time() + 180
+    while ckpt.latest(run) is None and proc.poll() is None and time.time() < deadline:  # step 50's, every=50
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, (proc.returncode, err)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["stopped"] and result["asked_by"] == "user", result
+    record = json.loads((run / "stopped.json").read_text())
+    assert record == {**record, "step": result["step"], "signal": "SIGINT", "asked_by": "user"}
+    assert ckpt.verify(ckpt.latest(run))["step"] == result["step"] > 50
