@@ -136,9 +136,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `zero=1` shards the optimizer state over the ranks (each rank steps only the parameter slices it owns,
     then the parameters are allgathered); `zero=2` also shards the gradients (reduce-scattered, each bucket's
     full gradient freed once sent); `zero=3` also the parameters: each module's are gathered only for its
-    forward and backward (so between steps a parameter holds no bytes and reads as NaN, with its shape: use
-    `model_state_dict()`, a collective). Only elementwise torch optimizers (SGD, Adam, AdamW, ...) can be sharded;
-    `clip_grad_norm_()` clips the global norm; `state_dict()` gathers the whole state (collective).
+    forward and backward (so between steps a parameter holds no bytes, keeps its shape and refuses reads in one
+    line: use `model_state_dict()`, a collective). Only elementwise torch optimizers (SGD, Adam, AdamW, ...) can
+    be sharded; `clip_grad_norm_()` clips the global norm; `state_dict()` gathers the whole state (collective).
 
     It is a `torch.optim.Optimizer` (so torch's LR schedulers accept it) whose `param_groups` are the wrapped
     optimizer's own dicts, at every stage: a scheduler attached to either one, before or after wrapping,
@@ -280,7 +280,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def model_state_dict(self, rank: int | None = 0) -> dict | None:
         """The model's whole state_dict, as CPU copies, on `rank` (None elsewhere; None: on every rank). A
         collective: with zero=3 the model is gathered unit by unit, so call it on every rank (`model.state_dict()`
-        reads NaN then: the parameters hold no bytes); at zero=0-2 it is `model.state_dict()` copied."""
+        is refused then: the parameters hold no bytes); at zero=0-2 it is `model.state_dict()` copied."""
         from .control.step import param_sha256
 
         keep = rank is None or init().rank == rank

@@ -152,6 +152,10 @@ class Strategy:
     def start(self) -> None:
         """The engine is built: hook the model (stage 3's forward hooks)."""
 
+    def launching(self, bucket: Bucket) -> None:
+        """`bucket`'s reduction is about to be submitted: in program order, the same on every rank (what a
+        stage decides here, it decides alike everywhere; the communication thread only runs the reduction)."""
+
     def accumulated(self, param: Any) -> None:
         """Backward accumulated `param`'s gradient with the reduction off (a micro-batch of an accumulation)."""
 

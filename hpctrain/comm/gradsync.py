@@ -206,6 +206,7 @@ class GradSync:
 
     def _launch(self, bucket: Bucket) -> None:
         """Submit `bucket`'s reduction (the flight recorder notes when a bucket is handed to the thread)."""
+        self.strategy.launching(bucket)  # in program order: what it decides, every rank decides alike
         if self._thread is not None:
             RECORDER.handoff(bucket.index)
         self.submit(lambda: self._reduce_guarded(bucket), bucket.done)

@@ -14,8 +14,10 @@ flat parameter memory (`bucket.param_flat`, of which every parameter is a view) 
 - after its forward (a forward hook) the memory is released (its storage resized to nothing: autograd's
   saved views of it stay valid and see the bytes again once it is gathered again), except for the root and
   the last unit of the forward, which backward needs first. A released unit's parameters keep their shapes
-  but hold no bytes: each is a NaN expanded to its shape (a read is NaN, a write is refused by torch), never
-  a view of the empty memory, whose read would be out of bounds;
+  but hold no bytes: each is a NaN expanded to its shape (a write is refused by torch), never a view of the
+  empty memory, whose read would be out of bounds, and any read of it by torch (outside the unit's forward
+  and backward: GPT-2's `F.linear(x, self.transformer.wte.weight)` in the model's own forward) raises one line
+  naming the parameter and its unit (released.py) instead of computing on NaN;
 - before its backward (a hook on the unit's outputs' gradients) the unit is gathered again and the previous
   unit prefetched; once backward has accumulated every gradient of the unit, they are packed into that same
   gathered memory (nothing reads the parameters again this step), reduce-scattered into this rank's slice
@@ -29,7 +31,13 @@ Staged (GPU memory, an MPI that is not CUDA-aware) the gathers go through each b
 which keeps the gathered parameters until they change: the gather before a unit's backward is then a copy
 back to the device, not a collective.
 The forward order is recorded in the first forward; every rank runs the same modules in the same order, so
-every rank issues the same gathers.
+every rank issues the same gathers. Every decision to gather or release is taken in program order, on the
+thread that runs forward and backward, never by the communication thread (which only runs the collectives
+in the order they were submitted): a unit is released when its reduction is submitted (`launching`), and the
+reduction frees its memory after it. So a forward that runs during backward (activation checkpointing's
+recomputation, reentrant or not) gathers what it needs, prefetches the unit backward needs next (not the next
+in forward order) and keeps its unit for the backward that follows, identically on every rank, whatever the
+communication thread is doing.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from typing import Any, Iterator
 from ..base.errors import CommError
 from ..base.hostmem import MMAP_THRESHOLD, give_back_freed_memory
 from .buckets import Bucket, Strategy, flatten_params, pack, sharded_bucket
+from .released import mark_gathered, mark_released, name_parameters
 from .zero import allreduce_into_shard, reduce_into_shard, staging, unpacked
 
 CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
@@ -132,6 +141,13 @@ def _hold(tensor: Any, zero: bool) -> None:
             tensor.zero_()
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a forward now is a recomputation of one)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
 class Unit:
     """One bucket's modules and the state of its gathered parameters: released, pending (a gather submitted)
     or gathered."""
@@ -146,7 +162,7 @@ class Unit:
         self.state = "gathered"
         self.views = [p.data for p in bucket.params]  # each parameter's view of `param_flat`: its data when gathered
         nan = torch.full((1,), float("nan"), dtype=bucket.param_flat.dtype, device=bucket.param_flat.device)
-        self.absent = [nan.expand(p.shape) for p in bucket.params]  # ... and when released: no bytes, reads NaN
+        self.absent = [nan.expand(p.shape) for p in bucket.params]  # ... and when released: no bytes (NaN)
         self.event = threading.Event()
         self.error: BaseException | None = None
         self.accumulated: set[int] = set()  # gradients accumulated in this backward without a reduction
@@ -193,7 +209,9 @@ class ShardedParams(Strategy):
         return buckets
 
     def start(self) -> None:
-        """Hook every unit's forward, and the model's (which holds the root unit, or none)."""
+        """Hook every unit's forward, and the model's (which holds the root unit, or none); name each unit's
+        parameters for the error a read of a released one raises."""
+        name_parameters(self.module, [(u.module, u.bucket.params, u.root) for u in self.units])
         root = next((u for u in self.units if u.root), None)
         self._hooks.append(self.module.register_forward_pre_hook(lambda m, a: self._before_forward(root)))
         self._hooks.append(self.module.register_forward_hook(lambda m, a, out: self._after_root(root, out)))
@@ -215,8 +233,8 @@ class ShardedParams(Strategy):
         if self.recording:
             if unit not in self.order:
                 self.order.append(unit)
-        else:
-            self.prefetch(unit, +1)
+        else:  # a forward during backward (a recomputation): backward needs the unit before next
+            self.prefetch(unit, -1 if _in_backward() else +1)
 
     def _after_root(self, unit: Unit | None, output: Any) -> None:
         """The model's forward is done: its order is known from the first one on."""
@@ -232,6 +250,8 @@ class ShardedParams(Strategy):
             t.register_hook(lambda grad, u=unit: self._before_backward(u))
         if outputs and (unit.root or (not self.recording and unit is self.order[-1])):
             return  # backward needs it throughout (the root), or first (the last unit of the forward)
+        if _in_backward():
+            return  # recomputed for its backward, which follows: its reduction releases it
         self._release(unit)
 
     def _before_backward(self, unit: Unit) -> None:
@@ -257,6 +277,7 @@ class ShardedParams(Strategy):
             self.engine.await_done(unit.event)
             unit.state = "gathered"
             for p, view in zip(unit.bucket.params, unit.views):
+                mark_gathered(p)
                 p.data = view
             self.wait_seconds += time.perf_counter() - start
             if unit.error is not None:
@@ -323,6 +344,28 @@ class ShardedParams(Strategy):
 
     def _release(self, unit: Unit) -> None:
         """Give back `unit`'s flat parameter memory (its views keep their shapes and see no bytes)."""
+        self._drop(unit)
+        self._free(unit)
+
+    def _drop(self, unit: Unit) -> None:
+        """Mark `unit` released (in program order: whether it is gathered again is decided by this mark on
+        every rank alike): its parameters read nothing from its flat memory any more, and refuse reads."""
+        if self.engine.comm.size == 1:
+            return
+        for p, absent in zip(unit.bucket.params, unit.absent):
+            p.data = absent
+            mark_released(p)
+        unit.state = "released"
+        unit.accumulated.clear()
+
+    def launching(self, bucket: Bucket) -> None:
+        """`bucket`'s reduction is submitted (its unit's backward is done): its unit counts as released from
+        now on, in program order, while the reduction, which packs the gradients into its memory, frees it."""
+        self._drop(bucket.unit)
+
+    def _free(self, unit: Unit) -> None:
+        """Give back the memory of a dropped unit (after its reduction, on the communication thread with
+        overlap: a gather the program submits later runs after it)."""
         if self.engine.comm.size == 1:
             return
         bucket = unit.bucket
@@ -333,36 +376,32 @@ class ShardedParams(Strategy):
             flat = bucket.param_flat.new_empty(bucket.numel)
             offset = 0
             for at, p in enumerate(bucket.params):
-                unit.views[at] = flat[offset:offset + p.numel()].view_as(p)
+                unit.views[at] = flat[offset:offset + p.numel()].view(p.shape)
                 offset += p.numel()
             bucket.param_flat = flat
             flat.untyped_storage().resize_(0)
-        for p, absent in zip(bucket.params, unit.absent):
-            p.data = absent
-        unit.state = "released"
-        unit.accumulated.clear()
 
     # -- after backward --------------------------------------------------------------------------------
     def reduce(self, bucket: Bucket) -> None:
         """Pack the unit's gradients into its gathered parameter memory (its backward is done: nothing reads
         the parameters again this step, so no buffer of its own is needed), reduce-scatter them into this
-        rank's slice, release the memory. Summed unpacked (the allreduce reducer, a large gradient): the
-        parameters are released first, so that a large gradient and the unit's parameters are never held
-        beside the collective's own buffers (70 M MLP, 4 ranks: 33 MiB less peak RSS per rank)."""
+        rank's slice, free the memory (the unit counts as released since this was submitted: `launching`).
+        Summed unpacked (the allreduce reducer, a large gradient): the parameters' memory is freed first, so
+        that a large gradient and the unit's parameters are never held beside the collective's own buffers
+        (70 M MLP, 4 ranks: 33 MiB less peak RSS per rank)."""
         flat = bucket.param_flat
         bucket.unit.on_host = False  # a staged sum goes through the host memory
         _hold(bucket.shard, zero=False)  # the reduction writes all of it
         if unpacked(self.engine, bucket):  # large gradients summed in their own memory, no packed copy:
             # the parameters are released first, and the small gradients packed into a buffer of their size
-            self._release(bucket.unit)
+            self._free(bucket.unit)
             small = sum(p.numel() for p in bucket.params if p.numel() * p.element_size() < self.engine.OWN_BYTES)
             allreduce_into_shard(self.engine, bucket, flat.new_empty(small))
             return
         _hold(flat, zero=False)  # never gathered this step: memory to pack the gradients into
         buffer = flat if self.engine.comm.size > 1 else flat.new_empty(bucket.numel)
         reduce_into_shard(self.engine, pack(bucket, buffer), bucket)
-        if self.engine.comm.size > 1:
-            self._release(bucket.unit)
+        self._free(bucket.unit)
 
     def accumulated(self, param: Any) -> None:
         """Backward gave `param` its gradient with the reduction off (an accumulation's micro-batch): once the
