@@ -92,11 +92,12 @@ def test_a_signal_to_every_rank_of_a_bare_mpirun_checkpoints_and_exits_3(digits2
 @pytest.mark.xfail(strict=True, reason="Open MPI's mpirun takes SIGINT and SIGTERM as an order to abort the job: "
                    "it sends the ranks SIGTERM, SIGKILLs them a second later and exits 1 whatever they return, and "
                    "it refuses to forward SIGINT (ess_base_forward_signals); send it SIGUSR2, or use hpctrain launch")
-def test_ctrl_c_to_a_bare_mpirun_exits_3(digits2: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_to_a_bare_mpirun_exits_3(digits2: Path, tmp_path: Path, sig: signal.Signals) -> None:
     run = tmp_path / "run"
     proc = start([*MPIRUN, PYTHON, "-m", "hpctrain", "train", "--data", str(digits2), "--run-dir", str(run), *ARGS])
     wait_for_step(run, proc)
-    os.killpg(proc.pid, signal.SIGINT)  # the ranks run in process groups of their own: only mpirun gets it
+    os.killpg(proc.pid, sig)  # the ranks run in process groups of their own: only mpirun gets it
     proc.communicate(timeout=120)
     assert proc.returncode == 3
 
