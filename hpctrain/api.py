@@ -240,20 +240,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self.sync.enabled = True
 
-    def synchronize(self) -> None:
-        """Finish the allreduce now (e.g. to clip gradients before `step()`): `.grad` then holds the mean."""
+    def synchronize(self, whole: bool = True) -> None:
+        """Finish the gradient sync: `.grad` then holds the mean at every ZeRO stage (not with whole=False: sliced)."""
         self.sync.wait()
         self._synced = True
         if self._mean_pending:  # the caller reads the gradients before the step: the mean in them now
             self._mean_pending = False
-            grads = self.sync.grad_tensors() if self.sync.stage else [  # ZeRO: this rank's reduced slices
-                p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, 1.0 / self.world_size)
+            torch._foreach_mul_(self.sync.grad_tensors(), 1.0 / self.world_size)  # ZeRO: this rank's slices
+        if whole:
+            self.sync.whole_grads()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Finish the gradient sync and clip the global gradient norm to `max_norm`; returns the norm."""
         if not getattr(self, "_synced", False):
-            self.synchronize()
+            self.synchronize(whole=False)
         if isinstance(self.optimizer, ShardedOptimizer):
             return self.optimizer.clip_grad_norm_(max_norm)
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))

@@ -39,7 +39,7 @@ from .buckets import Bucket, trainable_in_backward_order
 from .collectives import Collectives
 from .wire import buffer_spec, wire_bytes
 from .world import Comm, cuda_aware, load_mpi
-from .zero import ShardedState, make_segments, unpacked
+from .zero import ShardedState, grads_into_slices, make_segments, unpacked, whole_grads
 from .zero3 import ShardedParams
 
 
@@ -132,6 +132,7 @@ class GradSync:
         # compressors need it: their error feedback must not store scaled, possibly overflowed, gradients.
         self.loss_scale: float | None = None
         self._in_round = False
+        self._whole = False  # `whole_grads()` gave the `.grad`s this step's whole gradients
         self.segments = make_segments(self.buckets, comm.size, comm.rank) if stage else []
         if stage and not self.segments:
             raise ConfigError(f"--zero {stage}: the model has fewer trainable elements than there are ranks "
@@ -153,6 +154,7 @@ class GradSync:
         if self._in_round and self._launched:
             self.wait()
         self._end_round()
+        self._whole = False
         for bucket in self.buckets:
             if bucket.own:
                 bucket.flat = None  # the gradient's memory goes with it
@@ -179,6 +181,14 @@ class GradSync:
             error, self._error = self._error, None
             raise CommError(f"gradient reduction failed on rank {self.comm.rank}: {error!r}") from error
         self.comm_seconds = time.perf_counter() - start
+
+    def whole_grads(self) -> None:
+        """After `wait()`: every `.grad` the whole reduced gradient, at every stage (zero.py `whole_grads`)."""
+        self._whole = whole_grads(self)
+
+    def before_step(self) -> None:
+        """The optimizer steps this rank's slices now: after `whole_grads()`, as the caller left the `.grad`s."""
+        self._whole = self._whole and grads_into_slices(self)
 
     def after_step(self) -> None:
         """Once the optimizer has stepped the owned slices: stages 1 and 2 allgather the parameters."""

@@ -71,6 +71,43 @@ def staging(bucket: Bucket, dtype: Any) -> tuple[Any, Any]:
     return bucket.host, bucket.host_shard
 
 
+def whole_grads(engine: Any) -> bool:
+    """After the reduction: every parameter's `.grad` the whole reduced gradient on every rank (what
+    `synchronize()` promises at every stage), each bucket's slices allgathered into one gradient whose views the
+    `.grad`s become: at stage 1 the bucket's own gradient memory (the local gradients it held), at stages 2 and
+    3 (which hold none) memory allocated here, dropped with the `.grad`s at the next `zero()`. What the caller
+    writes into them (clipping) is what the step applies: `grads_into_slices`. Returns whether it gathered (at
+    stage 0 every `.grad` is the sum already). A collective."""
+    for bucket in engine.buckets if engine.segments else ():
+        full = bucket.flat if bucket.flat is not None else bucket.shard.new_empty(bucket.numel)
+        if engine.comm.size == 1:
+            full.copy_(bucket.shard)
+        elif full.is_cuda and engine.staging:
+            host, shard = staging(bucket, full.dtype)
+            engine.gather(bucket, host, shard.copy_(bucket.shard))
+            full.copy_(host)
+            if bucket.unit is not None:
+                bucket.unit.on_host = False  # the host memory no longer holds the unit's parameters
+        else:
+            engine.gather(bucket, full, bucket.shard)
+        offset = 0
+        for p in bucket.params:
+            p.grad = full[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+    return bool(engine.segments)
+
+
+def grads_into_slices(engine: Any) -> bool:
+    """Before the step, after `whole_grads`: this rank's slices read back from the `.grad`s as the caller left
+    them (zeros for a gradient it dropped). Returns False: the `.grad`s are read."""
+    for seg in engine.segments:
+        if seg.param.grad is None:
+            seg.tensor.grad.zero_()
+        else:
+            seg.tensor.grad.copy_(seg.param.grad.reshape(-1)[seg.start:seg.stop])
+    return False
+
+
 def reduce_into_shard(engine: Any, send: Any, bucket: Bucket) -> None:
     """Sum `send` (a bucket's whole gradient) over the ranks into this rank's slice `bucket.shard`, scaled and
     on the wire format, by the engine's reducer (stages 1 to 3)."""

@@ -97,6 +97,7 @@ class ShardedOptimizer:
             raise ConfigError("a sharded optimizer (--zero 1-3) takes no closure: compute the loss before step()")
         for seg, grad in zip(self.segments, self._grads):
             seg.tensor.grad = grad
+        self.sync.before_step()
         self.inner.step()
         self.sync.after_step()
 
@@ -104,6 +105,7 @@ class ShardedOptimizer:
         """Clip the global gradient norm to `max_norm` as torch.nn.utils.clip_grad_norm_ does; the norm is
         the sum of every rank's squared partial norm, gathered and added in rank order (the same bits on
         every rank). Returns the norm before clipping."""
+        self.sync.before_step()  # after `synchronize()`: the `.grad`s as the caller left them are the gradient
         partial = sum(float(b.shard.double().square().sum()) for b in self.sync.buckets)
         total = math.sqrt(sum(self.sync.comm.allgather(partial)))
         coef = max_norm / (total + 1e-6)

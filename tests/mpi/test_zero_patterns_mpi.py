@@ -49,6 +49,14 @@ def test_a_weight_tied_by_registering_it_twice_trains_and_one_read_from_outside_
             assert verdict.startswith("OK"), (pattern, stage, overlap, verdict)
 
 
+def test_clipping_through_synchronize_or_the_optimizer_matches_stage_0() -> None:
+    """After `opt.synchronize()` every `.grad` holds the mean over ranks at every stage, and what the user does
+    to it (torch's clip_grad_norm_) is what the step applies; `opt.clip_grad_norm_` clips the same, after
+    `synchronize()` too."""
+    found = cells(["clip-synchronize", "clip-optimizer", "clip-both"])
+    assert all(verdict.startswith("OK") for verdict in found.values()), found
+
+
 def test_frozen_parameters_an_unused_unit_and_accumulation_match_stage_0() -> None:
     found = cells(["plain", "frozen", "unused", "accumulate"])
     assert all(verdict.startswith("OK") for verdict in found.values()), found

@@ -101,6 +101,9 @@ def train(pattern: str, stage: int, overlap: bool) -> tuple[dict, list[float]]:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
             elif pattern == "clip-optimizer":
                 norms.append(opt.clip_grad_norm_(0.05))
+            elif pattern == "clip-both":  # the guide's "synchronize() before clipping", then the optimizer's clip
+                opt.synchronize()
+                norms.append(opt.clip_grad_norm_(0.05))
             opt.step()
         return opt.model_state_dict(rank=None), norms
     finally:
