@@ -176,7 +176,8 @@ def restore(run: Any) -> dict[str, int]:
     else:  # this rank's share of each whole tensor, whatever layout wrote them
         layoutfree.restore(loaded, run.model, run.optimizer)
         ckptstate.restore_schedule(loaded, run.scheduler, run.scaler)
-    run.model.to(run.device)
+    if any(t.device != run.device for t in (*run.model.parameters(), *run.model.buffers())):
+        run.model.to(run.device)  # only what a restore left elsewhere: a released ZeRO 3 parameter refuses `.to`
     restore_own(loaded, comm, run.sync, same=same, warn=lambda text: run.log.warning("%s", text))
     known = {**meta.get("audit_frozen", {}),
              **{f"rank-{r:04d}.txt": int(st["audit_lines"]) for r, st in enumerate(loaded.ranks)}}
