@@ -61,7 +61,11 @@ def test_the_library_loop_resumed_on_another_world_size_keeps_the_epoch(digits2:
     args = [str(GUIDE), str(digits2), str(run), "2", "1000"]  # 2 epochs, no periodic checkpoint
     cut = _last_json(mpirun(2, [*args, "30"], python_module=False))  # cut short after step 30
     assert (cut["step"], cut["epoch"]) == (30, 1), cut  # mid-way through the second epoch
-    rest = _last_json(mpirun(1, [*args, "0"], python_module=False))
+    proc = mpirun(1, [*args, "0"], python_module=False)
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("resumed from step 30 (") and first.endswith(
+        "; changed since: world size 2 -> 1, global batch 64 -> 32"), proc.stderr
+    rest = _last_json(proc)
     n_train = json.loads((digits2 / "manifest.json").read_text())["splits"]["train"]["samples"]
     assert rest["epoch"] == 2, rest
     assert cut["samples"] + rest["samples"] == 2 * n_train, (cut, rest, n_train)
