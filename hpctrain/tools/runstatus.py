@@ -1,8 +1,9 @@
 """A run's status, from what the trainer leaves in RUN: finished, stopped, failed or running (`run_status`), for
 a one-run report and for a comparison of several (one rule for both).
 
-summary.json for the step last logged is finished; a rank's log that says it was stopped (a checkpoint
-written: `--resume auto` continues it) is stopped; a rank's log that says training failed (or that a rank
+summary.json for the step last logged is finished; RUN/stopped.json (the stop's record, removed when the run
+starts again) or a rank's log that says it was stopped (a checkpoint written: `--resume auto` continues it) is
+stopped; a rank's log that says training failed (or that a rank
 ended the job) is failed. Otherwise the processes tell: when every rank logged its start (pid and host) on
 the host the report runs on and none of those processes runs any more, the run is failed (killed, or ended
 on an error nothing logged). Where the ranks ran elsewhere, their heartbeat files (RUN/logs/rank-NNNN.heartbeat,
@@ -64,6 +65,19 @@ def _beat_age(path: Path, now: float) -> float:
         return now - path.stat().st_mtime
 
 
+def _stop_record(path: Path, last_step: int) -> str | None:
+    """What RUN/stopped.json says, when it is this attempt's (its step is the last logged one or later)."""
+    try:
+        stop = json.loads(path.read_text())
+        step = int(stop["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if step < last_step:
+        return None
+    asked = f" (asked by the {stop['asked_by']})" if stop.get("asked_by") else ""
+    return f"stopped by {stop.get('signal', 'a signal')} at step {step}{asked}; continue it with --resume auto"
+
+
 def _gone(starts: list[tuple[int, int, str]]) -> str | None:
     """Why the run's processes are gone, when every rank's started on this host and none runs; else None."""
     here = socket.gethostname()
@@ -90,6 +104,9 @@ def run_status(run: dict[str, Any], now: float | None = None) -> tuple[str, str]
     doc). `now` is the time to judge heartbeats against (default: the clock)."""
     if run["summary"] is not None:
         return "finished", "summary.json"
+    stop = _stop_record(Path(run["run_dir"]) / "stopped.json", run["metrics"][-1]["step"] if run["metrics"] else 0)
+    if stop:
+        return "stopped", stop
     now = time.time() if now is None else now
     logs = Path(run["run_dir"]) / "logs"
     first = _attempt(logs / "rank-0000.log")[0] if (logs / "rank-0000.log").is_file() else None

@@ -60,6 +60,11 @@ def test_a_stopped_run_is_stopped_and_its_epochs_count_as_the_console_does(digit
     assert rows and all(console[s] == e for s, e in rows.items()), (console, rows)
     last = max(console)
     assert f"Last logged: step {last}, epoch {console[last]}," in md, md
+    # the stop's record alone says so too (a log whose last lines were lost, or worded otherwise)
+    log = run / "logs" / "rank-0000.log"
+    log.write_text("".join(line for line in log.read_text().splitlines(True) if " WARNING stopped by " not in line))
+    md = _report(run)
+    assert re.search(r"\*\*Status: stopped\*\* \(stopped by SIGTERM at step \d+ \(asked by the scheduler\)", md), md
 
 
 def test_a_killed_run_has_failed(digits2: Path, tmp_path: Path) -> None:
