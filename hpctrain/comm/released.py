@@ -11,6 +11,7 @@ class is swapped back when the unit is gathered, so a gathered parameter costs n
 
 from __future__ import annotations
 
+from types import GetSetDescriptorType
 from typing import Any, Iterator
 
 from ..base.errors import ConfigError
@@ -24,7 +25,10 @@ refuses writes) and its hooks; anything that reads its values raises."""
 ALLOWED_METHODS = frozenset((
     "numel", "nelement", "size", "dim", "element_size", "stride", "storage_offset", "is_contiguous",
     "is_floating_point", "is_complex", "get_device", "requires_grad_", "register_hook",
-    "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "__hash__", "__setstate__"))
+    "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "__hash__", "__setstate__",
+    "_has_compatible_shallow_copy_type"))
+NO_OP = frozenset(("to",))
+"""Answered when they return the parameter itself (`model.to(device)` where it already is: nothing is read)."""
 _RELEASED: Any = None
 
 
@@ -40,16 +44,23 @@ def released_parameter() -> Any:
         class ReleasedParameter(torch.nn.Parameter):
             @classmethod
             def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                owner = getattr(func, "__self__", None)  # a property's __get__/__set__: the descriptor
-                name = getattr(owner, "__name__", None) if owner is not None else getattr(func, "__name__", None)
-                if (name in ALLOWED_ATTRIBUTES if owner is not None and not isinstance(owner, torch.Tensor)
-                        else name in ALLOWED_METHODS):
+                owner = getattr(func, "__self__", None)  # an attribute's __get__/__set__: its descriptor
+                if isinstance(owner, (GetSetDescriptorType, property)):
+                    name, allowed = getattr(owner, "__name__", None) or owner.fget.__name__, ALLOWED_ATTRIBUTES
+                else:
+                    name, allowed = getattr(func, "__name__", None), ALLOWED_METHODS
+                if name in allowed:
                     with torch._C.DisableTorchFunctionSubclass():
                         return func(*args, **(kwargs or {}))
+                if name in NO_OP and allowed is ALLOWED_METHODS:
+                    with torch._C.DisableTorchFunctionSubclass():
+                        out = func(*args, **(kwargs or {}))
+                    if out is args[0]:
+                        return out
                 where = next((a.__dict__.get("_zero3_where") for a in _flat_args(args, kwargs)
                               if type(a) is cls), None) or "a parameter of a released unit"
                 raise ConfigError(
-                    f"ZeRO stage 3: {where} was read by {getattr(func, '__qualname__', func)} while its unit holds no "
+                    f"ZeRO stage 3: {where} was read by {name or func} while its unit holds no "
                     "bytes (a unit's parameters are gathered only for that unit's own forward and backward): "
                     "read it inside the module that registers it, register it also in the module that reads it "
                     "(a tied weight: self.head.weight = self.transformer.wte.weight), or use ZeRO stage 2")
