@@ -27,7 +27,7 @@ from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
 from ..control.tracing import Timeline
 from .benchlimit import InStepAllreduce, limit_figures, limit_steps
-from .benchwatch import progress
+from .benchwatch import current, progress
 
 def parse_size(text: str) -> int:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -299,10 +299,12 @@ def workload(rank: int, model_spec: str, batch_size: int, input_dim: int, classe
 def _lm_rates(comm: Comm, model: Any, device: Any, seq_len: int) -> dict[str, Any]:
     """The GPT's seq_len, training FLOPs per token (`compute.gpt.flops_per_token`) and the peak float32
     matmul FLOP/s of all ranks' devices, each rank measuring its own at once (as `train` does at start-up:
-    ranks that share cores measure the share they will train on), summed."""
+    ranks that share cores measure the share they will train on), summed; as in `train`, measuring is never a
+    budgeted wait (a loaded node slows it as much as it likes)."""
     from ..control.lm import flops_and_peak
 
-    fpt, peak = flops_and_peak(model, seq_len, comm, device, "fp32")
+    fpt, peak = flops_and_peak(model, seq_len, comm, device, "fp32", watchdog=current())
+    progress("start-up, after the peak FLOP/s")
     return {"seq_len": seq_len, "flops_per_token": fpt, "peak_flops": peak}
 
 

@@ -43,6 +43,12 @@ def watched(timeout: float, connect: Callable[[], Comm] = world) -> Iterator[Com
         cancel_deadline()
 
 
+def current() -> Watchdog | None:
+    """The running benchmark's watchdog (None outside `watched`), for code that names its own waits on it
+    (`control.lm.flops_and_peak`); call `progress` with a section after it."""
+    return _WATCHDOG
+
+
 def progress(section: str | None = None) -> None:
     """The benchmark is at `section` now (None: still where it was), and progressing: re-arms the deadline."""
     if _WATCHDOG is not None:
