@@ -41,3 +41,16 @@ def test_a_scheduler_s_stop_then_a_person_s_is_recorded_as_the_person_s(flag: st
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGINT)
     assert flag.signum == signal.SIGTERM and flag.user
+
+
+def test_a_rank_started_by_the_launcher_holds_every_stop_signal_until_its_handler_is_in() -> None:
+    """`hpctrain launch` starts ranks through `block_prefix()`: a Ctrl-C handed on as SIGUSR1, or a SIGINT, in
+    a rank's first instants is pending, not fatal (their default action ends a process)."""
+    import subprocess
+
+    prefix = stop.block_prefix()
+    if not prefix:
+        pytest.skip("this `env` cannot block signals (GNU coreutils >= 8.31 can)")
+    out = subprocess.run([*prefix, "grep", "SigBlk", "/proc/self/status"], capture_output=True, text=True)
+    mask = int(out.stdout.split()[1], 16)
+    assert all(mask >> (sig - 1) & 1 for sig in stop.STOP_SIGNALS), (out.stdout, stop.STOP_SIGNALS)
