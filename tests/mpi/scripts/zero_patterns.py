@@ -48,6 +48,8 @@ class Net(torch.nn.Module):
         if pattern == "tied-registered":  # one weight registered in a unit and outside it
             self.extra = torch.nn.Linear(16, 16, bias=False)
             self.extra.weight = self.blocks[0].lin.weight
+        if pattern == "buffers":  # besides BatchNorm's: a buffer the forward updates from each rank's batch
+            self.register_buffer("seen", torch.zeros(16))
         if pattern == "frozen":
             self.blocks[1].requires_grad_(False)
             self.stem.bias.requires_grad_(False)
@@ -56,10 +58,13 @@ class Net(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
+        if self.pattern == "buffers":
+            with torch.no_grad():
+                self.seen.mul_(0.9).add_(x.mean(0))
         for i, block in enumerate(self.blocks):
             if self.pattern == "unused" and i == 1 and self.step % 2:
                 continue  # a unit the odd steps skip, on every rank alike
-            if self.pattern.startswith("checkpoint"):
+            if self.pattern.startswith("checkpoint"):  # checkpoint-accumulate: not reentrant, 2 micro-batches
                 x = checkpoint(block, x, use_reentrant=self.pattern == "checkpoint-reentrant")
             else:
                 x = block(x)
@@ -87,7 +92,7 @@ def train(pattern: str, stage: int, overlap: bool) -> tuple[dict, list[float]]:
         for step in range(STEPS):
             model.step = step
             opt.zero_grad()
-            micros = 2 if pattern == "accumulate" else 1
+            micros = 2 if pattern.endswith("accumulate") else 1
             for micro in range(micros):
                 x, y = batch(step, micro)
                 loss = F.cross_entropy(model(x), y) / micros
