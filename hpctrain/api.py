@@ -441,7 +441,7 @@ class Checkpointer:
         if path is None:
             return 0
         loaded = open_checkpoint(Path(path), ctx.comm, verified=True)  # rank 0's latest() checked it
-        resume.refuse_misfit(loaded, model, ctx.comm, ours="this model",
+        resume.refuse_misfit(loaded, resume.shapes_of(model), ctx.comm, ours="this model",
                              fix="restore it into the model it was written with, or give the new model a new run_dir")
         if scheduler is not None and loaded.train.get("scheduler") is None:
             raise CheckpointError(f"checkpoint {path!r} holds no LR scheduler state (it was saved without "

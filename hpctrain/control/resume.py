@@ -102,13 +102,17 @@ def thread_change(saved: int | None) -> list[str]:
             "(--cpus-per-task, or the same ranks per node) for an exact resume"]
 
 
-def model_misfit(loaded: Loaded, model: Any) -> str | None:
-    """How `model` differs from the one a checkpoint holds (its keys and shapes), in a few words; None when it
-    fits. Asked before any tensor is loaded, so that another model is refused in one line, not by torch's
-    load_state_dict on every rank."""
-    ours = {k: tuple(getattr(v, "shape", ())) for k, v in model.state_dict(keep_vars=True).items()}
+def shapes_of(model: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of `model`'s state_dict."""
+    return {k: tuple(getattr(v, "shape", ())) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def model_misfit(loaded: Loaded, ours: dict[str, tuple[int, ...]], *, keys: bool = True) -> str | None:
+    """How a model of the tensors `ours` (name: shape) differs from the one a checkpoint holds (its shapes, and
+    with `keys` its names), in a few words; None when it fits. Asked before any tensor is loaded, so that another
+    model is refused in one line, not by torch's load_state_dict on every rank."""
     saved = {k: tuple(loaded.reader.shape(v[REF]) if is_ref(v) else getattr(v, "shape", ())) for k, v in loaded.model.items()}
-    missing, unexpected = sorted(set(saved) - set(ours)), sorted(set(ours) - set(saved))
+    missing, unexpected = (sorted(set(saved) - set(ours)), sorted(set(ours) - set(saved))) if keys else ([], [])
     shapes = [f"{k} {saved[k]} there, {ours[k]} here" for k in ours if k in saved and saved[k] != ours[k]]
     parts = ([f"shapes differ: {', '.join(shapes[:2])}"] if shapes else []) + (
         [f"the checkpoint has {brief(missing[:3])} this model lacks"] if missing else []) + (
@@ -127,10 +131,11 @@ def resumed_line(step: int, path: Path, meta: dict[str, Any], *, world: int, glo
     return f"resumed from step {step} ({path})" + (f"; changed since: {', '.join(changed)}" if changed else "")
 
 
-def refuse_misfit(loaded: Loaded, model: Any, comm: Comm, *, ours: str, fix: str) -> None:
-    """Raise on every rank, in one line, when `model` (`ours`: how the message names it) does not fit the
-    checkpoint's tensors (`fix`: what to do); before anything is loaded."""
-    misfit = model_misfit(loaded, model)
+def refuse_misfit(loaded: Loaded, shapes: dict[str, tuple[int, ...]], comm: Comm, *, ours: str, fix: str,
+                  keys: bool = True) -> None:
+    """Raise on every rank, in one line, when a model of the tensors `shapes` (`ours`: how the message names it)
+    does not fit the checkpoint's (`fix`: what to do; `keys`: compare names too); before anything is loaded."""
+    misfit = model_misfit(loaded, shapes, keys=keys)
     comm.agree(CheckpointError(f"checkpoint {str(loaded.path)!r} does not fit {ours} ({misfit}): {fix}")
                if misfit else None)
 
@@ -161,9 +166,10 @@ def restore(run: Any) -> dict[str, int]:
     loaded = start.state
     meta = loaded.meta
     old = TrainConfig.upgrade(meta.get("config", {}))
-    if run.par.plain:  # a split run's shares are checked against the whole tensors by `layoutfree`
-        refuse_misfit(loaded, run.model, comm, ours=f"--model {cfg.model!r} (it holds {old.get('model')!r})",
-                      fix=f"start a new --run-dir for this model, or resume with --model {old.get('model')!r}")
+    shapes = shapes_of(run.model) if run.par.plain else {k: tuple(s) for k, (s, _) in run.model.whole.items()}
+    refuse_misfit(loaded, shapes, comm, ours=f"--model {cfg.model!r} (it holds {old.get('model')!r})",
+                  fix=f"start a new --run-dir for this model, or resume with --model {old.get('model')!r}",
+                  keys=run.par.plain)  # a split run's names: `layoutfree` refuses a missing one in one line
     _say_resumed(run, old)
     same = meta["world_size"] == comm.size and _layout(meta) == _layout_of(run)  # the same ranks in the same places
     if same:  # an elastic resume is not bit-identical anyway: nothing to add

@@ -84,12 +84,13 @@ def test_train_continued_on_another_world_size_counts_the_run_s_epochs_and_says_
     assert (summary(run)["steps"], summary(run)["epochs"]) == (45 + 23, 2), summary(run)
 
 
-def test_train_resumed_with_another_model_is_refused_in_one_line(digits2: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("split", [(), ("--pp", "2")], ids=["plain", "pipeline"])
+def test_train_resumed_with_another_model_is_refused_in_one_line(digits2: Path, tmp_path: Path, split: tuple) -> None:
     """Before: a warning, then a raw `RuntimeError: Error(s) in loading state_dict` on every rank, exit 1."""
     run = tmp_path / "run"
     hpctrain(["train", "--data", str(digits2), "--run-dir", str(run), "--max-steps", "2"])
     proc = hpctrain(["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(run), "--max-steps",
-                     "4", "--model", "mlp:32"], check=False)
+                     "4", "--model", "mlp:32", *split], check=False)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr and "RuntimeError" not in proc.stderr, proc.stderr
