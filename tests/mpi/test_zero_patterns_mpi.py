@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import mpirun
+from conftest import mpirun
+
+pytestmark = pytest.mark.mpi
 
 SCRIPT = Path(__file__).parent / "scripts" / "zero_patterns.py"
 CELLS = [(stage, overlap) for stage in (1, 2, 3) for overlap in (0, 1)]
