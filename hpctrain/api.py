@@ -395,7 +395,7 @@ class ShardLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict()`, on any world size (one of an earlier version: on its own)."""
         if "segments" in state:
-            self.cursor.move_to(Position.from_meta(state, self.world))
+            self.cursor.move_to(Position.from_meta(state, self.world, self.reader.batch_size))
             return
         if state.get("world_size", self.world) != self.world and state.get("step", 0):
             raise ConfigError(f"loader state from {state['world_size']} ranks mid-epoch; resume on that many ranks")
@@ -453,7 +453,7 @@ class Checkpointer:
         mine = resume.restore_own(loaded, ctx.comm, sync, same=meta["world_size"] == ctx.world_size,
                                   warn=lambda text: warnings.warn(text, stacklevel=3))
         if loader is not None and "epoch" in meta:  # on any world size: the epoch goes on where it stood
-            loader.cursor.move_to(Position.from_meta(meta, ctx.world_size))
+            loader.cursor.move_to(Position.from_meta(meta, ctx.world_size, loader.reader.batch_size))
         elif loader is not None and mine is not None and mine.get("loader") is not None:  # an earlier version's
             loader.load_state_dict(mine["loader"])
         loaded.reader.close()

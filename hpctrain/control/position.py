@@ -21,23 +21,26 @@ class Position:
     """A step boundary of the run's data order."""
 
     epoch: int = 0
-    in_epoch: int = 0  # steps of `epoch` done on this data-parallel world size
-    prior: list[tuple[int, int]] = field(default_factory=list)  # (data-parallel ranks, steps) of the epoch's earlier segments
+    in_epoch: int = 0  # steps of `epoch` done in this segment (these data-parallel ranks, this batch size)
+    # (data-parallel ranks, steps, batch size per rank) of the epoch's earlier segments (older checkpoints: no batch)
+    prior: list[tuple[int, ...]] = field(default_factory=list)
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any], ranks: int) -> "Position":
-        """The position a checkpoint's meta.json records, as a run on `ranks` data-parallel ranks continues it:
-        on the same number, inside the segment it was in; on another, in a new segment of the same epoch."""
-        segments = [(int(w), int(s)) for w, s in meta.get("segments", [])]
+    def from_meta(cls, meta: dict[str, Any], ranks: int, batch: int) -> "Position":
+        """The position a checkpoint's meta.json records, as a run on `ranks` data-parallel ranks of `batch`
+        samples each continues it: with both the same, inside the segment it was in; else in a new segment of
+        the same epoch (the samples of the earlier ones are those their ranks and batches dealt out)."""
+        segments = [tuple(int(v) for v in seg) for seg in meta.get("segments", [])]
         if not segments and meta.get("step_in_epoch"):  # written before segments were recorded
             segments = [(int(meta["world_size"]), int(meta["step_in_epoch"]))]
-        if segments and segments[-1][0] == ranks:
+        if segments and segments[-1][0] == ranks and segments[-1][2:] in ((), (batch,)):
             return cls(int(meta["epoch"]), segments[-1][1], segments[:-1])
         return cls(int(meta["epoch"]), 0, segments)
 
-    def meta(self, ranks: int) -> dict[str, Any]:
-        """What a checkpoint's meta.json records of this position, reached on `ranks` data-parallel ranks."""
-        segments = [*self.prior, (ranks, self.in_epoch)] if self.in_epoch else list(self.prior)
+    def meta(self, ranks: int, batch: int) -> dict[str, Any]:
+        """What a checkpoint's meta.json records of this position, reached on `ranks` data-parallel ranks of
+        `batch` samples each."""
+        segments = [*self.prior, (ranks, self.in_epoch, batch)] if self.in_epoch else list(self.prior)
         return {"epoch": self.epoch, "step_in_epoch": self.in_epoch, "segments": segments}
 
     def epochs_begun(self) -> int:
@@ -56,7 +59,7 @@ class Cursor:
         self.whole = whole
         self.drop_empty = drop_empty  # an epoch ends at the first step where some rank would have no sample
         self.epoch, self.step = 0, 0  # the step: batches of the epoch handed out (of its rest, after others)
-        self.prior: list[tuple[int, int]] = []  # (ranks, steps) of the epoch's segments on other world sizes
+        self.prior: list[tuple[int, ...]] = []  # (ranks, steps, batch) of the epoch's earlier segments
         self.rest: ShardReader | None = None  # the reader of what other world sizes left of `epoch`
         self.current: tuple[ShardReader, int] | None = None  # the reader and step of the batch handed out last
         self.move_to(position or Position())
@@ -85,7 +88,7 @@ class Cursor:
     def meta(self, ranks: int) -> dict[str, Any]:
         """What a checkpoint's meta.json records of the data: the position, reached on `ranks` data-parallel
         ranks, and the global batch (what a resume compares)."""
-        return {**self.position.meta(ranks), "global_batch": self.whole.batch_size * ranks}
+        return {**self.position.meta(ranks, self.whole.batch_size), "global_batch": self.whole.batch_size * ranks}
 
     def move_to(self, position: Position) -> None:
         """Continue from `position`, written on any world size: in its epoch, the samples the ranks before

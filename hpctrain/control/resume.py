@@ -41,10 +41,10 @@ NOT_A_CHANGE = {"resume", "json", "progress", "run_dir", "epochs", "max_steps", 
 
 
 def start_point(comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Watchdog, *, data: Path,
-                budget: float, data_ranks: int) -> Start:
+                budget: float, data_ranks: int, batch: int) -> Start:
     """Where to start: fresh, or the checkpoint at `path` (opened: its small files read on rank 0, broadcast;
     `budget`: the watchdog's for rank 0's reading, `data`: --data, for the message). The epoch's segments are
-    counted in data-parallel ranks (`data_ranks`: the readers' world)."""
+    counted in data-parallel ranks (`data_ranks`: the readers' world) of `batch` samples each."""
     if path is None:
         return Start()
     watchdog.phase("opening the checkpoint", 0, budget=budget if comm.rank else None)
@@ -56,8 +56,8 @@ def start_point(comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Wat
             f"checkpoint {str(path)!r} was written for another dataset (manifest fingerprint "
             f"{meta['data_fingerprint'][:12]}, --data {str(data)!r} has {shardset.fingerprint[:12]}): "
             "point --data at the original shards or start a new --run-dir"))
-    return Start(step=int(meta["step"]), position=Position.from_meta(meta, data_ranks), resumed_from=int(meta["step"]),
-                 path=path, state=state)
+    return Start(step=int(meta["step"]), position=Position.from_meta(meta, data_ranks, batch),
+                 resumed_from=int(meta["step"]), path=path, state=state)
 
 
 def resolve(resume: str, run_dir: Path, warn: Callable[[str], Any]) -> Path | None:

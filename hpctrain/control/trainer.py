@@ -133,7 +133,7 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     watchdog.idle()
     model = par.model(model)  # a split run keeps its stage only: the whole model is freed here
     start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout,
-                               data_ranks=par.data.size)
+                               data_ranks=par.data.size, batch=cfg.batch_size * cfg.accumulate)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack, par)
     run.staged, run.timeline = staged, timeline
     timeline.warn_outside(start.step, run.total_steps, log)

@@ -412,16 +412,17 @@ class ShardReader:
         self._handles.clear()
 
 
-def epoch_remainder(shardset: ShardSet, split: str, segments: list[tuple[int, int]], *, batch_size: int,
+def epoch_remainder(shardset: ShardSet, split: str, segments: list[tuple[int, ...]], *, batch_size: int,
                     shuffle: bool, seed: int, epoch: int) -> np.ndarray:
-    """Ids already trained on in `epoch` by earlier segments [(world size, steps), ...]: the sets each of
-    their ranks consumed, each segment reading what the ones before it left. Pure function of its inputs."""
+    """Ids already trained on in `epoch` by earlier segments [(world size, steps[, batch size]), ...] (a segment
+    without its batch size: `batch_size`): the sets each of their ranks consumed, each segment reading what the
+    ones before it left. Pure function of its inputs."""
     done = np.empty(0, np.int64)
-    for j, (world, steps) in enumerate(segments):
+    for j, (world, steps, *batch) in enumerate(segments):
         parts = [done]
         for r in range(world):
-            reader = ShardReader(shardset, split, rank=r, world=world, batch_size=batch_size, shuffle=shuffle,
-                                 seed=seed, exclude=done, segment=j, prefetch=0)
+            reader = ShardReader(shardset, split, rank=r, world=world, batch_size=batch[0] if batch else batch_size,
+                                 shuffle=shuffle, seed=seed, exclude=done, segment=j, prefetch=0)
             parts.append(reader.consumed(epoch, steps))
             reader.close()
         done = np.concatenate(parts)

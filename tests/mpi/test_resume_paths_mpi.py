@@ -84,6 +84,21 @@ def test_train_continued_on_another_world_size_counts_the_run_s_epochs_and_says_
     assert (summary(run)["steps"], summary(run)["epochs"]) == (45 + 23, 2), summary(run)
 
 
+def test_train_resumed_mid_epoch_with_another_batch_size_trains_every_sample_of_the_epoch_once(
+        digits2: Path, tmp_path: Path) -> None:
+    """Before: the rest of the epoch was counted at the new batch size: 5 steps of 32 per rank resumed at 16
+    skipped 80 samples per rank instead of 160, and trained 160 of the epoch twice."""
+    run = tmp_path / "run"
+    args = ["train", "--data", str(digits2), "--run-dir", str(run), "--audit-samples"]
+    mpirun(2, [*args, "--max-steps", "5"])
+    proc = mpirun(2, [*args, "--epochs", "1", "--batch-size", "16"])
+    assert "batch_size: 32 -> 16" in proc.stderr.splitlines()[0], proc.stderr
+    ids = [line.split()[1] for f in sorted((run / "samples").glob("rank-*.txt"))
+           for line in f.read_text().splitlines() if line.split()[0] == "0"]
+    n_train = json.loads((digits2 / "manifest.json").read_text())["splits"]["train"]["samples"]
+    assert len(ids) == n_train and len(set(ids)) == n_train, (len(ids), len(set(ids)))
+
+
 @pytest.mark.parametrize("split", [(), ("--pp", "2")], ids=["plain", "pipeline"])
 def test_train_resumed_with_another_model_is_refused_in_one_line(digits2: Path, tmp_path: Path, split: tuple) -> None:
     """Before: a warning, then a raw `RuntimeError: Error(s) in loading state_dict` on every rank, exit 1."""

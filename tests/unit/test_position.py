@@ -35,7 +35,7 @@ def test_a_batch_counts_when_handed_out_and_the_last_one_starts_the_next_epoch(d
     (cursor,) = cursors(data, 1)
     batches = cursor.batches()
     next(batches)
-    assert cursor.position == Position(0, 1) and cursor.meta(1)["segments"] == [(1, 1)]
+    assert cursor.position == Position(0, 1) and cursor.meta(1)["segments"] == [(1, 1, 8)]
     for _ in range(cursor.steps - 2):
         next(batches)
     next(batches)  # the epoch's last batch, still being trained on
@@ -53,8 +53,8 @@ def test_the_rest_of_an_epoch_on_another_world_size_is_every_sample_not_yet_trai
         batches.close()
     meta = {"world_size": 2, **first[0].meta(2)}
     for world in (1, 4):
-        rest = cursors(data, world, Position.from_meta(meta, world))
-        assert all(c.position == Position(0, 0, [(2, 3)]) for c in rest)
+        rest = cursors(data, world, Position.from_meta(meta, world, 8))
+        assert all(c.position == Position(0, 0, [(2, 3, 8)]) for c in rest)
         ids = np.concatenate(seen + [b.index for c in rest for b in c.batches()])
         assert len(ids) == 203 and len(np.unique(ids)) == 203, world
         assert all(c.epoch == 1 and c.prior == [] for c in rest)
