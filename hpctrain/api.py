@@ -448,7 +448,7 @@ class Checkpointer:
                                   "scheduler=), so the schedule would restart at step 0: restore without "
                                   "scheduler= and set the schedule's position yourself, or use a new run_dir")
         sync = _sync_of(optimizer)
-        ckptstate.restore(loaded, model, _state_owner(optimizer), sync, scheduler=scheduler)
+        ckptstate.restore(loaded, model, _state_owner(optimizer), sync, scheduler=scheduler, warn=warnings.warn)
         meta = loaded.meta
         mine = resume.restore_own(loaded, ctx.comm, sync, same=meta["world_size"] == ctx.world_size,
                                   warn=lambda text: warnings.warn(text, stacklevel=3))

@@ -36,6 +36,7 @@ from ..trace.flight import RECORDER
 from . import compress as compression
 from .allreduce import WholeGradients
 from .buckets import Bucket, trainable_in_backward_order
+from .buffers import broadcast_buffers, buffer_slots
 from .collectives import Collectives
 from .wire import buffer_spec, wire_bytes
 from .world import Comm, cuda_aware, load_mpi
@@ -92,6 +93,7 @@ class GradSync:
         kind, _ = parse_grad_compression(compress)
         reuse_freed_memory()  # zero() drops the gradients every step: their memory is kept for the next
         self.comm, self.stage = comm, stage
+        self.buffers = buffer_slots(module)  # rank 0's after every step (`buffers.py`)
         self.compress = kind  # none, fp16 or bf16 on the wire; powersgd and topk: `compressor`
         self.compressor = compression.make(compress, comm)
         self.wire_bytes = 0  # what this rank put on the wire in the last step (its payload)
@@ -176,11 +178,30 @@ class GradSync:
             self.await_done(bucket.done)
         self._end_round()
         self.strategy.settle()
+        self._broadcast_buffers()
         self.wire_bytes = self.wire_round
         if self._error is not None:
             error, self._error = self._error, None
             raise CommError(f"gradient reduction failed on rank {self.comm.rank}: {error!r}") from error
         self.comm_seconds = time.perf_counter() - start
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every rank (BatchNorm's statistics: each rank's forward updated its own), after the
+        step's forwards, in order with the step's other collectives (on the communication thread with overlap)."""
+        if not self.buffers or self.comm.size == 1:
+            return
+        done, failed = threading.Event(), []
+
+        def task() -> None:
+            try:
+                broadcast_buffers(self.comm, self.buffers, staged=self.staging)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(exc)
+
+        self.submit(task, done)
+        self.await_done(done)
+        if failed:
+            raise CommError(f"broadcasting the model's buffers failed on rank {self.comm.rank}: {failed[0]!r}") from failed[0]
 
     def whole_grads(self) -> None:
         """After `wait()`: every `.grad` the whole reduced gradient, at every stage (zero.py `whole_grads`)."""

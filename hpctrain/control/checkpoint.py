@@ -40,9 +40,9 @@ from ..base.durable import FAULTS, human_bytes, sha256_file
 from ..base.errors import CheckpointError, HpctrainError, StorageError, brief, describe
 from ..trace.spans import TRACER
 from .ckptboxes import Reader
-from .ckptformat import (FORMAT, MARKER, RANKS, STATE, assign_writers, decode_json, discard, expected_files,
-                         join_tensors, layout_digest, meta_digest, part_header, part_name, piece, read_part,
-                         split_named, split_tensors)
+from .ckptformat import (FORMAT, MARKER, NAMED_FORMATS, RANKS, STATE, assign_writers, decode_json, discard,
+                         expected_files, join_tensors, layout_digest, meta_digest, part_header, part_name, piece,
+                         read_part, split_named, split_tensors)
 from .ckptwriter import AsyncWriter
 
 
@@ -160,7 +160,7 @@ def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
     path = Path(path)
     meta = verify(path, hash_files=not verified)
     tree, ranks = read_trees(path)
-    if meta.get("format") != FORMAT:  # format 1: numbered tensors, all of them in the parts
+    if meta.get("format") not in NAMED_FORMATS:  # format 1: numbered tensors, all of them in the parts
         tensors: dict[int, Any] = {}
         for r in range(int(meta["parts"])):
             tensors.update(read_part(path / part_name(r)))

@@ -18,6 +18,13 @@ is read by W' ranks at any stage, each reading what it will own. A part file is 
 header (no pickle); the small trees go through torch.save and load with weights_only=True. Every file is hashed
 while it is written (no second pass over the bytes) and fsynced.
 
+Format 3 (meta.json `"format": 3`) is format 2 on disk, with one promise more: the model's buffers (BatchNorm's
+running statistics, any `register_buffer`) are rank 0's, written by rank 0 alone, and every rank held them equal
+(the gradient engine broadcasts them every step, `comm/buffers.py`). In a checkpoint of format 2 written by
+several ranks each rank had kept its own buffers and the dealing above wrote each one from whichever rank it fell
+to: one rank's running mean beside another's variance. Such a checkpoint still resumes (every rank loads the
+same values) and the resume says so in one line (`ckptstate.restore`).
+
 Format 1 (checkpoints of earlier versions: numbered whole tensors, a sharded optimizer's slices as per-rank
 trees) is still read (`read_part`), whole, by rank 0.
 """
@@ -40,7 +47,8 @@ from ..base.errors import CheckpointError, brief, describe
 MARKER = "COMPLETE"
 STATE = "state.pt"
 RANKS = "ranks.pt"
-FORMAT = 2
+FORMAT = 3
+NAMED_FORMATS = (2, 3)  # the formats whose tensors are named pieces (read alike)
 PART_MAGIC = b"HPCTPRT2"  # format 2: named pieces
 PART_MAGIC_1 = b"HPCTPRT1"  # format 1: numbered whole tensors (read only)
 _ALIGN = 64

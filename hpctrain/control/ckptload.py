@@ -16,7 +16,7 @@ from ..base.errors import CheckpointError, HpctrainError
 from ..comm import full_state
 from .checkpoint import load_broadcast, read_trees, verify
 from .ckptboxes import MemoryReader, Reader
-from .ckptformat import FORMAT, split_named
+from .ckptformat import NAMED_FORMATS, split_named
 
 
 @dataclass(slots=True)
@@ -39,7 +39,7 @@ def open_checkpoint(path: Path, comm: Any, *, verified: bool = False) -> Loaded:
     if comm.rank == 0:
         try:
             meta = verify(path, hash_files=not verified)
-            small = (meta, *read_trees(path)) if meta.get("format") == FORMAT else None
+            small = (meta, *read_trees(path)) if meta.get("format") in NAMED_FORMATS else None
         except HpctrainError as exc:
             error = exc
     comm.agree(error if comm.rank == 0 else None)

@@ -7,18 +7,19 @@ ZeRO shards is written by each rank as boxes of the whole tensors (`pieces`): at
 parameters and of the optimizer state this rank owns. `restore` reads, through the checkpoint's reader, only
 what this rank holds under its own world size and stage: at stage 3 its slices of the parameters, at stages
 1-3 its slices of the optimizer state, at stages 0-2 the whole parameters (every rank holds them); so a run
-saved at any stage on W ranks resumes at any stage on any W'.
+saved at any stage on W ranks resumes at any stage on any W'. The model's buffers are rank 0's, written by rank 0
+alone (every rank holds rank 0's: `comm/buffers.py`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from ..base.errors import CheckpointError
-from ..comm import ShardedOptimizer
+from ..comm import ShardedOptimizer, world
 from .ckptboxes import flat_boxes, is_ref
-from .ckptformat import REF
+from .ckptformat import FORMAT, REF
 from .ckptload import Loaded
 
 OPTIM = "train/optimizer/state"  # the name prefix of optimizer state: OPTIM/<parameter index>/<key>
@@ -50,18 +51,30 @@ def capture(model: Any, optimizer: Any, sync: Any, *, scheduler: Any = None, sca
 
 
 def _model_entries(model: Any, sync: Any) -> tuple[dict[str, Any], list[Any]]:
-    """The model's tree (at stages 1-3 a reference for each trainable parameter, tied ones to the first key),
-    and this rank's pieces of the parameters (its owned slices)."""
-    if sync is None or not sync.stage:
-        return model.state_dict(), []
+    """The model's tree (a reference for each buffer, and at stages 1-3 for each trainable parameter; tied ones
+    to the first key), and this rank's pieces: its owned slices of the parameters, and on rank 0 the buffers.
+
+    Rank 0 writes the buffers alone: they are the one state forward changes, each rank its own, until the
+    engine's broadcast makes them rank 0's (`comm/buffers.py`); dealt to the ranks as replicated state is,
+    a checkpoint taken where they differ would pair one rank's running mean with another's variance."""
+    import torch
+
+    rank = sync.comm.rank if sync is not None else world().rank
     first: dict[int, str] = {}
     tree: dict[str, Any] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if sync.owns(value):
-            tree[key] = {REF: f"model/{first.setdefault(id(value), key)}"}
-        else:  # buffers, frozen parameters: whole on every rank
-            tree[key] = value.detach()
     pieces = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not torch.is_tensor(value):  # a module's extra state
+            tree[key] = value
+        elif (sync is not None and sync.stage and sync.owns(value)) or not isinstance(value, torch.nn.Parameter):
+            name = f"model/{first.setdefault(id(value), key)}"
+            tree[key] = {REF: name}
+            if not isinstance(value, torch.nn.Parameter) and rank == 0 and first[id(value)] == key:
+                pieces.append((name, value.detach(), tuple(value.shape), (0,) * value.dim()))
+        else:  # parameters every rank holds whole and equal (all at stage 0; frozen ones at 1-3)
+            tree[key] = value.detach()
+    if sync is None or not sync.stage:
+        return tree, pieces
     for seg in sync.segments:
         pieces += flat_pieces(f"model/{first[id(seg.param)]}", tuple(seg.param.shape), seg.start, seg.stop,
                               seg.tensor.detach())
@@ -91,12 +104,40 @@ def _optimizer_entries(optimizer: Any) -> tuple[dict[str, Any], list[Any]]:
 
 
 def restore(loaded: Loaded, model: Any, optimizer: Any, sync: Any, *, scheduler: Any = None,
-            scaler: Any = None) -> None:
+            scaler: Any = None, warn: Callable[[str], Any] | None = None) -> None:
     """Load the checkpoint into `model`, `optimizer` (plain or sharded), `scheduler` and `scaler`, reading only
-    what this rank holds (`sync`: the gradient engine, or None for a plain model)."""
+    what this rank holds (`sync`: the gradient engine, or None for a plain model). `warn` gets each line the
+    user should read about the state loaded (an older checkpoint's buffers)."""
     _load_model(loaded, model, sync)
     _load_optimizer(loaded, optimizer)
     restore_schedule(loaded, scheduler, scaler)
+    for line in mixed_buffers(loaded, model) if warn is not None else []:
+        warn(line)
+
+
+def mixed_buffers(loaded: Loaded, model: Any) -> list[str]:
+    """The line for a checkpoint written by several ranks before format 3, whose model buffers another rank
+    than rank 0 wrote some of: ranks kept their own buffers then, so these mix ranks' values (one rank's running
+    mean beside another's variance). They are loaded as they are, the same on every rank, and are rank 0's from
+    the next step on: the run goes on, but not as the one that wrote them would have."""
+    import torch
+
+    version, ranks = int(loaded.meta.get("format", 1)), int(loaded.meta.get("world_size", 1))
+    if version >= FORMAT or ranks < 2:
+        return []
+    params = {id(p) for p in model.parameters()}
+    keys = [k for k, v in model.state_dict(keep_vars=True).items() if torch.is_tensor(v) and id(v) not in params
+            and k in loaded.model]
+    if version >= 2:  # the index says which rank wrote each
+        keys = [k for k in keys if is_ref(loaded.model[k])
+                and any(p[0] != 0 for p in loaded.reader.index.get(loaded.model[k][REF], {}).get("pieces", []))]
+    if not keys:
+        return []
+    named = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    who = "ranks other than rank 0 wrote" if version >= 2 else "any of its ranks may have written"
+    return [f"checkpoint {str(loaded.path)!r} (format {version}, {ranks} ranks) holds buffers that {who} ({named}): "
+            "before format 3 each rank kept its own buffers, so these mix ranks' values; every rank loads them as "
+            "they are and holds rank 0's from the next step on"]
 
 
 def restore_schedule(loaded: Loaded, scheduler: Any, scaler: Any) -> None:

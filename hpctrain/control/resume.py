@@ -178,7 +178,8 @@ def restore(run: Any) -> dict[str, int]:
             if comm.rank == 0:
                 print(f"warning: {change}", file=sys.stderr)
     if run.par.plain:
-        ckptstate.restore(loaded, run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler)
+        ckptstate.restore(loaded, run.model, run.optimizer, run.sync, scheduler=run.scheduler, scaler=run.scaler,
+                          warn=lambda text: _warn(run, text))
     else:  # this rank's share of each whole tensor, whatever layout wrote them
         layoutfree.restore(loaded, run.model, run.optimizer)
         ckptstate.restore_schedule(loaded, run.scheduler, run.scaler)
@@ -232,6 +233,13 @@ def _layout(meta: dict[str, Any]) -> list[int]:
 def _layout_of(run: Any) -> list[int]:
     lay = run.par.layout
     return [lay.data, lay.tensor, lay.pipe]
+
+
+def _warn(run: Any, text: str) -> None:
+    """A warning in every rank's log and once on the console (rank 0)."""
+    run.log.warning("%s", text)
+    if run.comm.rank == 0:
+        print(f"warning: {text}", file=sys.stderr)
 
 
 def state(run: Any, sink: Any) -> dict[str, Any]:

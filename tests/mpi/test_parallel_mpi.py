@@ -74,7 +74,7 @@ def test_a_checkpoint_of_one_layout_resumes_in_another(layouts: Path) -> None:
     s = summary(layouts / "saved")
     assert s["resumed_from"] == 4 and s["steps"] == 8 and s["layout"] == {"data": 2, "tensor": 1, "pipe": 2}
     meta = json.loads((layouts / "saved" / "checkpoints" / "step-0000004" / "meta.json").read_text())
-    assert meta["layout"] == [2, 2, 1] and meta["layout_free"] and meta["format"] == 2
+    assert meta["layout"] == [2, 2, 1] and meta["layout_free"] and meta["format"] == 3
     index = torch.load(layouts / "saved" / "checkpoints" / "step-0000004" / "state.pt", weights_only=True)["index"]
     emb = index["model/tok_emb.weight"]  # 257 ids over T = 2: 129 + 128, each tensor rank's share one box
     assert emb["shape"] == [257, 32] and sorted(p[1:3] for p in emb["pieces"]) == [[[0, 0], [129, 32]],

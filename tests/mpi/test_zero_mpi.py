@@ -162,7 +162,7 @@ def test_a_checkpoint_of_format_1_resumes_at_stage_3_as_the_version_that_wrote_i
     want = torch.load(golden / "ckpt-format1-resumed-to-8.pt", weights_only=True)
     got = torch.load(run / "model.pt", weights_only=True)
     assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
-    assert json.loads((ckpt.latest(run) / "meta.json").read_text())["format"] == 2  # and it saves in the new one
+    assert json.loads((ckpt.latest(run) / "meta.json").read_text())["format"] == 3  # and it saves in the new one
 
 
 def test_deterministic_zero_2_is_bit_exact_across_runs_and_16_bit_wires_stay_in_sync(tmp_path: Path,

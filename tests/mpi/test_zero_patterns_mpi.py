@@ -64,8 +64,6 @@ def test_frozen_parameters_an_unused_unit_and_accumulation_match_stage_0() -> No
     assert all(verdict.startswith("OK") for verdict in found.values()), found
 
 
-@pytest.mark.xfail(reason="buffers drift apart per rank until they are broadcast before each forward (#54 item 2, "
-                          "helper BUFFERS): drop this mark once it passes", strict=False)
 def test_batchnorm_buffers_match_stage_0_and_agree_across_ranks() -> None:
     found = cells(["buffers"])
     assert all(verdict.startswith("OK") for verdict in found.values()), found
