@@ -3,9 +3,8 @@
 Autograd hands over fresh gradient tensors every step (GradSync drops the old ones, as `zero_grad()` does).
 glibc serves an allocation above its mmap threshold (dynamic, from 128 KiB) with a fresh mapping and
 returns it to the OS on free, and trims the heap's free top above its trim threshold: every step then
-page-faults its gradients in anew. Measured on the reference MLP (2 ranks, library API loop): 56 ms a step
-with glibc's defaults, 39 ms with a fixed 32 MiB mmap threshold and a 1 GiB trim threshold (old persistent
-bucket views: 42 ms). `reuse_freed_memory()` sets those two with `mallopt`; an allocation above 32 MiB
+page-faults its gradients in anew, which costs a large share of a step (docs/performance.md). Keeping a
+fixed 32 MiB mmap threshold and a 1 GiB trim threshold avoids it: `reuse_freed_memory()` sets those two with `mallopt`; an allocation above 32 MiB
 (glibc's largest threshold) is still mapped afresh. A process whose `MALLOC_MMAP_THRESHOLD_` or
 `MALLOC_TRIM_THRESHOLD_` is set keeps its own choice; not glibc: nothing to do.
 
@@ -13,12 +12,10 @@ Huge pages (`prefer_huge_pages`, at `import hpctrain`): torch's CPU allocator pl
 on a page boundary and advises transparent huge pages for it when `THP_MEM_ALLOC_ENABLE=1` (c10's
 `alloc_cpu`; off by default). MPI moves a large message between ranks of a node by a single copy from the
 other process's memory (Open MPI's vader BTL through CMA, `process_vm_readv`), which takes the source page
-by page. Over 4 KiB pages the reference MLP's 23 MB allreduce took 6.5 ms in torch memory
-and 3.7 ms in numpy's (numpy advises huge pages for its large arrays); with the setting, 2.8 ms in torch
-memory (`python benchmarks/hugepages.py`, 2 ranks). The gradients autograd hands over are torch memory, so
-this was most of what separated hpctrain's sync from the raw allreduce of `hpctrain bench train`'s limit.
-Huge pages pay only where memory is kept: a plain torch loop with glibc's defaults and the setting stepped
-slower (32-37 ms against 28-34), likely because each step faults its fresh gradients' huge pages in anew.
+by page, so over 4 KiB pages an allreduce of a large gradient in torch memory is far slower than over huge
+pages (numpy advises huge pages for its large arrays; torch only with the setting). The gradients autograd
+hands over are torch memory. Huge pages pay only where memory is kept (above): a loop that faults its fresh
+gradients' huge pages in anew every step is slower with them.
 torch reads the variable once, at its first CPU allocation: hence the package import sets it, before any
 model is built.
 """

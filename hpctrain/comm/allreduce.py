@@ -26,8 +26,7 @@ class WholeGradients(Strategy):
         Without overlap every bucket is summed in wait(), after backward: the small gradients are then packed
         together wherever they are in the model (one collective for a model's biases, not one between every
         two large layers), and the buckets are summed in forward order, the gradient backward wrote last
-        (still in cache) first: 0.04-0.07 ms of the reference MLP's 5.1-5.4 ms in every one of five launches
-        of `benchmarks/allreduce_in_step.py` here. A compressor keeps the runs of backward order (its state is
+        (still in cache) first, which is slightly faster. A compressor keeps the runs of backward order (its state is
         per bucket)."""
         e = self.engine
         after_backward = not e.overlap and e.compressor is None

@@ -42,7 +42,7 @@ def assign_buckets(ordered: list[Any], bucket_mb: float, alone_bytes: int | None
     and so is one of at least `alone_bytes` (when given), and each of `alone`. Without `adjacent`, the
     parameters that are not alone are packed as if those that are were not between them (each run then takes
     the place of its first parameter): for buckets that are all summed at once, after backward, where fewer
-    collectives cost less (a small allreduce costs 0.1 ms here, and a model's biases are small) and no run has
+    collectives cost less (a small allreduce's cost is mostly its latency, and a model's biases are small) and no run has
     to be ready before the next."""
     size_of = ordered[0].element_size()
     limit = max(1, int(bucket_mb * 2**20) // size_of)

@@ -9,9 +9,9 @@ gradients and parameters make is here.
 - `allgather`: every rank's slice of a bucket into the whole bucket on every rank (ZeRO's parameters);
 - `fastest_reducer`: times the four reducers in turns on the largest bucket and keeps the fastest.
 
-MPI libraries differ on the reducers: Open MPI 4.1 on one node sums 23 MB with Allreduce in 2.7 ms, with
-Reduce_scatter in 6 ms and with Reduce_scatter_block in 13 ms, while on a network a reduce-scatter sends half
-the bytes of an allreduce; so `--zero-reduce auto` measures. Every tensor goes to MPI through
+MPI libraries differ on the reducers: on one node Open MPI 4.1's Allreduce sums a large bucket several times
+faster than its Reduce_scatter(_block), while on a network a reduce-scatter sends half the bytes of an
+allreduce; so `--zero-reduce auto` measures. Every tensor goes to MPI through
 `wire.buffer_spec`.
 """
 
@@ -100,12 +100,8 @@ class Collectives:
     def _sum_in_pieces(self, buf: Any, op: Any) -> None:
         """In-place sum of a host `buf` over the ranks of one node, an Allreduce per `piece_bytes` of it. Open MPI
         sums a large message through buffers as large as it is, so a 16 MB gradient is read back from the
-        last-level cache or memory; a piece and MPI's buffers for it stay in the core's own cache. Measured on
-        2 ranks of the 2-core machine (L2 4 MiB a core), the reference MLP's stage-0 step with the engine's
-        allreduce in pieces over whole buckets, alternating in one process (`benchmarks/allreduce_pieces.py`):
-        0.970 and 0.985 in 1 MiB pieces, 0.986 in 512 KiB, 0.983 in 2 MiB; a plain loop with a raw Allreduce
-        per gradient stepped 1.2-1.6 ms of 32-33 ms faster in 1 MiB pieces, 0.45-1.0 ms in 2 and 4 MiB.
-        Only where every rank shares one node: over a network MPI pipelines a large message itself, and each
+        last-level cache or memory; a piece and MPI's buffers for it stay in the core's own cache, which makes
+        the step a little faster where the cores' caches are small (docs/performance.md). Only where every rank shares one node: over a network MPI pipelines a large message itself, and each
         piece would pay the network's latency. Every rank cuts the same pieces, so the collectives match, and
         every rank gets the same sum, MPI's (on 2 ranks bit for bit the whole Allreduce's: a + b either way).
         """
@@ -139,9 +135,8 @@ class Collectives:
         exchanges (MPI_Sendrecv) of one slice each, every received slice added by torch into `send`, which this
         overwrites. Each slice is received into `out` (the last, then this rank's own slice added to it), so no
         buffer of its own is held, unless a slice is larger than `out` or of another dtype. Sums only (what
-        ZeRO reduces; a 16-bit wire adds in its own dtype as its MPI op does). On 2 ranks of the 2-core
-        machine, the reference MLP's 23 MB bucket took 3.0 ms this way against 5.3-8.9 ms by Open MPI 4.1's
-        Reduce_scatter(_block) and Allreduce."""
+        ZeRO reduces; a 16-bit wire adds in its own dtype as its MPI op does). On one node this can beat Open
+        MPI 4.1's Reduce_scatter(_block) and Allreduce, which is why `fastest_reducer` times it."""
         import torch
 
         MPI = load_mpi()
@@ -185,10 +180,8 @@ class Collectives:
         warm-up round and then `PROBE_ROUNDS` rounds of every one (the order reversed every other round, the same
         on every rank), each one's median, the slowest rank's. The times are the same on every rank, and so is the
         choice. In turns, a slow spell of the machine (a busy neighbour, a preempted rank) falls on every reducer
-        alike: timed one reducer at a time (4 runs, the median of the last 3), one spell made `bench train
-        --zero 1` pick MPI's Allreduce over the ring, which its other runs timed twice as fast (3.8 against
-        1.7 ms for the reference MLP's 23 MB bucket), and step 1.06x stage 0 instead of 0.90-0.95x (2026-12-06,
-        docs/performance.md). `packed`: the reduce-scatters of this bucket first pack it (a copy of its bytes)
+        alike, where timing one reducer after another let one spell pick a reducer twice as slow as the
+        best. `packed`: the reduce-scatters of this bucket first pack it (a copy of its bytes)
         and the allreduce does not (it sums its large gradients in their own memory): their times include such
         a copy (one half of `send` into the other and back, no second buffer)."""
         import torch

@@ -60,8 +60,8 @@ def make_segments(buckets: list[Bucket], world: int, rank: int) -> list[Segment]
 def staging(bucket: Bucket, dtype: Any) -> tuple[Any, Any]:
     """Pinned host memory of a staged bucket (device memory on an MPI that is not CUDA-aware), allocated once and
     reused every step: the whole bucket (`bucket.host`, as stage 0 stages) and this rank's slice. Fresh pageable
-    memory per collective cost far more than the copies: 4.4x stage 0's step at stage 3 on an H200 (a 50 M
-    GPT, 2 ranks), its host pages faulted in anew by every gather and every reduce-scatter."""
+    memory per collective costs far more than the copies (its host pages faulted in anew by every gather and
+    every reduce-scatter; docs/performance.md, the GPU machine)."""
     import torch
 
     if bucket.host is None or bucket.host.dtype != dtype:

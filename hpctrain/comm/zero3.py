@@ -259,8 +259,8 @@ class ShardedParams(Strategy):
             # The step's peak: the unit's parameters and its gradient, both whole, while its backward runs
             # (autograd computes a weight's gradient while the weight is alive). Neither comes from freed
             # memory the process kept (both are mapped afresh), so that memory is handed back first instead
-            # of adding to the peak: a smaller unit's parameters and gradient, freed in the last step (70 M
-            # MLP, Adam, 4 ranks: 40 MiB less peak RSS per rank). Smaller units are left alone: their memory is
+            # of adding to the peak: a smaller unit's parameters and gradient, freed in the last step (the ZeRO
+            # memory figures in docs/performance.md). Smaller units are left alone: their memory is
             # reused, not faulted in anew (hostmem.py).
             give_back_freed_memory()
         self.gather(unit)
@@ -303,8 +303,8 @@ class ShardedParams(Strategy):
 
         Staged (device memory, an MPI that is not CUDA-aware), through the bucket's pinned host memory: this
         rank's slice goes to the host on a stream of its own that waits only for the optimizer's step, not
-        behind the forward's kernels queued since (a prefetch used to wait for the unit computing now, and so
-        hid nothing: 2.2x stage 0's step on an H200), and the gathered parameters stay in the host memory
+        behind the forward's kernels queued since (else a prefetch waits for the unit computing now, and so
+        hides nothing), and the gathered parameters stay in the host memory
         until the bucket's gradients are summed through it or the step changes them: the gather before the
         unit's backward (and an accumulation's next micro-batch) copies them back without a collective."""
         bucket = unit.bucket
@@ -387,8 +387,7 @@ class ShardedParams(Strategy):
         the parameters again this step, so no buffer of its own is needed), reduce-scatter them into this
         rank's slice, free the memory (the unit counts as released since this was submitted: `launching`).
         Summed unpacked (the allreduce reducer, a large gradient): the parameters' memory is freed first, so
-        that a large gradient and the unit's parameters are never held beside the collective's own buffers
-        (70 M MLP, 4 ranks: 33 MiB less peak RSS per rank)."""
+        that a large gradient and the unit's parameters are never held beside the collective's own buffers."""
         flat = bucket.param_flat
         bucket.unit.on_host = False  # a staged sum goes through the host memory
         _hold(bucket.shard, zero=False)  # the reduction writes all of it

@@ -184,7 +184,7 @@ def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
 def load_broadcast(path: Path, comm: Any, *, verified: bool = False) -> dict[str, Any]:
     """Rank 0 reads the whole checkpoint (verifying its checksums unless it just did) and broadcasts it: how a
     checkpoint of format 1 is read. The trees go out pickled, the tensors' bytes by MPI_Bcast straight from
-    their buffers (pickling them was 2.6x slower; `python benchmarks/checkpoint_load.py`)."""
+    their buffers (pickling them is slower: docs/performance.md)."""
     import torch
 
     state, error = None, None

@@ -49,10 +49,8 @@ def auto_overlap(device_type: str) -> bool:
     """Overlap communication with backward only where it pays: where a GPU computes.
 
     On CPUs the communication thread competes with torch's own threads for the rank's cores (and MPI polls
-    while it waits), and every measurement made it slower. The reference MLP, 2 ranks: on 2 cores (one
-    thread a rank); on a 16-core machine (8 threads a rank, benchmarks/gpu_session.sh, 2026-12-04) 22.8 ms a
-    step with overlap against 15.6 ms without, 18.7 ms with overlap and a core left to the thread (7 torch
-    threads); ZeRO 2 29.3 ms against 20.5, ZeRO 3 60.7 against 27.9.
+    while it waits), and every measurement made it slower, on 2 cores and on 16, at every ZeRO stage
+    (docs/performance.md, the GPU machine's figures).
     """
     return device_type == "cuda"
 
@@ -159,9 +157,8 @@ def in_kernel_mean(optimizer: Any, *, compress: str, world_size: int, on_cpu: bo
     (torch's `grad_scale`, the contract its GradScaler uses), else None: the library API's DistributedOptimizer then
     pays one pass over them after the sum.
 
-    That pass cost 0.9-1.8 ms of the reference MLP's 27-37 ms step through the API here at stage 0, against
-    `scale_loss()`, which needs none (`hpctrain train` scales the loss): `benchmarks/api_mean.py`. Over ZeRO 1's
-    slices (half the bytes) it is within noise there. At every ZeRO stage (1-3 step the same fused optimizer
+    That pass costs a few percent of the reference MLP's step through the API at stage 0, against
+    `scale_loss()`, which needs none (`hpctrain train` scales the loss): docs/performance.md. At every ZeRO stage (1-3 step the same fused optimizer
     over this rank's slices), with fp32 sums (a 16-bit wire or a compressor scales inside the sum), on the CPU
     (`on_cpu`: every parameter), where torch's fused SGD, Adam, AdamW and Adagrad write the divided gradient back
     (tests/unit/test_api_mean.py): after the step the gradients hold the mean, as after the pass."""
@@ -203,8 +200,7 @@ def lr_factor(schedule: str, total: int, warmup: int = 0) -> Any:
 
 def make_optimizer(cfg: OptimizerConfig, params: Any) -> Any:
     """The optimizer of the optimizer section `cfg`, fused where torch has a fused kernel for the parameters (CPU and CUDA floats):
-    one pass over the state instead of one per operation. Measured on this machine, reference MLP, one
-    thread: SGD with momentum 5.3 -> 2.9 ms per step, Adam 32 -> 5.4 ms (`foreach` alone: 5.0 and 17.6)."""
+    one pass over the state instead of one per operation, several times faster than the loop of kernels."""
     import torch
 
     params = list(params)

@@ -255,10 +255,9 @@ class ShardReader:
         """Views of `rows` rows of a window buffer that nothing holds now (the pool grows only when every
         buffer is in use). In use: a view of it is alive, in the window being read, the one waiting in the
         read-ahead queue, or the one or two a batch is gathered from (batches are copies): at most four.
-        Fresh memory costs more than the read: first touching a 40 MB window (numpy advises huge pages for
-        it) took 120-200 ms on the 2-core machine, reading it into used memory 12 ms (`hpctrain bench data`,
-        `first_batch_ms`). The old ring of four allocated all four before reusing one, so a data set of one
-        window per epoch paid that at each of its first four epochs and held four windows where one was used."""
+        Fresh memory costs more than the read (first touching a window is many times slower than reading it
+        into used memory: `hpctrain bench data`, `first_batch_ms`), so a buffer is reused as soon as it is
+        free, and a data set of one window per epoch holds one."""
         if rows > self._pool_rows:
             self._pool_rows, self._pool = rows, []  # larger windows: a fresh pool (the old one is dropped)
         bufs = next((b for b in self._pool if _refs(b) <= _FREE_REFS), None)
@@ -299,8 +298,8 @@ class ShardReader:
 
     def _whole(self, blocks: list[tuple[int, int, int]]) -> tuple[tuple[np.ndarray, ...], np.ndarray | None]:
         """The rank's whole split when one window holds it: read once, at the first epoch that asks, and held.
-        Another epoch's window holds the same blocks in another order, so re-reading it bought nothing (40 MB
-        for the reference data, most of the 25-35 ms its first batch of every epoch waited). Returns the rows
+        Another epoch's window holds the same blocks in another order, so re-reading it would buy nothing but
+        a wait at every epoch's first batch. Returns the rows
         as held and `where`: the position there of each row of this window in `blocks`' order (None: the
         same order), so that every batch is the one a fresh read gives, row for row."""
         if self._held is None:

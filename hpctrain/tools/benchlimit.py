@@ -10,10 +10,9 @@ it in the same launch.
 That `Allreduce` is timed where a step has it (`InStepAllreduce`): in the same plain torch step, between
 backward and the optimizer step, on one host buffer the step's fresh gradients were just copied into, after a
 barrier (so no rank's wait for another is in it). Timed back to back instead, the same call on the same
-buffer runs from what the previous one left in the caches: on the 2-core CI machine, one `Allreduce` of the
-reference MLP's 23.3 MB took 2.6 ms back to back, 4.6-4.8 ms after 256 MB of other memory traffic (a step's
-fused SGD alone streams five times the model's bytes) and 4.6-4.8 ms in a plain torch step
-(`benchmarks/allreduce_in_step.py`). The back-to-back figure stays beside it (`raw_allreduce_ms`, and the
+buffer runs from what the previous one left in the caches, which no training step does (a step's fused SGD
+alone streams several times the model's bytes between two allreduces), and reads much faster than the same
+call in a step (docs/performance.md, "How to measure"). The back-to-back figure stays beside it (`raw_allreduce_ms`, and the
 ratio against it, `step_over_limit_back_to_back`).
 
 The figure this replaced, hpctrain's own step with each rank as its own world, is still reported as

@@ -75,8 +75,7 @@ def test_the_report_shows_the_verdict_and_its_plot(straggled: Path, tmp_path: Pa
 
 
 # Alone: beside the other pytest worker's ranks on 2 cores, a rank that shares its core is slower in every phase
-# step after step (0.4 ms of a 1 ms step), and the verdict rightly names it: 0-4 of 20 runs beside a loop of
-# `train`, none alone (benchmarks/straggler_under_load.py), and once in CI (2026-12-05).
+# step after step, and the verdict rightly names it; alone, a clean run has none.
 @pytest.mark.alone
 def test_a_clean_traced_run_has_no_straggler(digits2: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
