@@ -21,6 +21,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from ..parallel.layout import Layout, check_layout
 from ..parallel.pipeline import Pipeline
 from ..parallel.stages import build_stage, model_limits, put, shares
 from ..trace.spans import TRACER
+from .modelfile import ModelFile
 from .precision import LossScaler, autocast
 from .step import evaluate, param_sha256, train_step
 
@@ -70,15 +72,22 @@ class Parallel:
         return {"layout": {"data": lay.data, "tensor": lay.tensor, "pipe": lay.pipe}, "micro_batches": self.micro,
                 **({"pipeline_schedule": self.pipeline.kind} if self.pipeline is not None else {})}
 
-    def finish_state(self, model: Any, sync: Any = None) -> tuple[dict[str, Any] | None, str, bool]:
-        """(the whole model's state_dict on rank 0, else None; its sha256; whether the ranks agree), a
-        collective of every rank (with ZeRO 3, `sync` gathers a plain run's model unit by unit)."""
+    def finish_state(self, model: Any, sync: Any, path: Path) -> tuple[ModelFile | None, str, bool]:
+        """(rank 0's file of the whole model at `path`, for it to `close()`, else None; the model's sha256;
+        whether the ranks agree), a collective of every rank. With ZeRO 3, `sync` gathers a plain run's model
+        unit by unit, and rank 0 writes each tensor while it is gathered: no rank holds the whole model."""
         if self.pipeline is None:
-            digest, state = param_sha256(model, sync, keep=self.world.rank == 0)
-            return state, digest, len(set(self.world.allgather(digest))) == 1
+            out = ModelFile(path, model.state_dict(keep_vars=True).items()) if self.world.rank == 0 else None
+            digest, _ = param_sha256(model, sync, write=out.write if out is not None else None)
+            return out, digest, len(set(self.world.allgather(digest))) == 1
         state = self.whole_state(model)
         digest, in_sync = self._digest_and_sync(model, state)
-        return state, digest, in_sync
+        if state is None:
+            return None, digest, in_sync
+        out = ModelFile(path, state.items())
+        for key, tensor in state.items():
+            out.write(key, tensor)
+        return out, digest, in_sync
 
     @property
     def tied(self) -> list[Any]:

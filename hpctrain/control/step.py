@@ -23,10 +23,12 @@ from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 
 
-def param_sha256(model: Any, sync: Any = None, keep: bool = False) -> tuple[str, dict[str, Any] | None]:
+def param_sha256(model: Any, sync: Any = None, keep: bool = False,
+                 write: Any = None) -> tuple[str, dict[str, Any] | None]:
     """(sha256 over the model's state_dict tensors in key order, equal on every rank when ranks are in sync;
     with `keep`, the state_dict as CPU copies). At ZeRO stage 3 the model is gathered unit by unit through
-    `sync` (collective: every rank calls this), never whole on a rank that does not `keep` it."""
+    `sync` (collective: every rank calls this), never whole on a rank that does not `keep` it. `write(key,
+    tensor)` gets each tensor while it is whole (a `ModelFile` writes it)."""
     import torch
 
     digest = hashlib.sha256()
@@ -38,6 +40,8 @@ def param_sha256(model: Any, sync: Any = None, keep: bool = False) -> tuple[str,
         t = tensor.detach().cpu().contiguous().view(-1)
         if t.numel():  # hashed from a copy: Tensor.numpy() would pin the size of a ZeRO 3 parameter's storage
             digest.update(t.view(torch.uint8).clone().numpy())
+        if write is not None:
+            write(key, tensor)
         if kept is not None:
             if id(tensor) not in copies:
                 copies[id(tensor)] = tensor.detach().to("cpu", copy=True)

@@ -33,7 +33,7 @@ from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, Parallel
 from ..data import staging
 from ..data.reader import ShardReader
 from ..data.shardformat import ShardSet, load_manifest
-from ..base.durable import replacing, write_failure, write_text
+from ..base.durable import write_failure, write_text
 from ..base.rankenv import RankEnv, read_env, select_device
 from ..base.errors import ConfigError, HpctrainError
 from .runlog import RunLog
@@ -392,14 +392,14 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
         out.last_val.update(run.rates.validation(out.last_val))
     traced = run.timeline.close()  # with --trace: RUN/trace.json and the straggler verdict (rank 0)
     watchdog.phase("memory reductions", step)
-    memory = memplan.measured(run.sync, run.optimizer, comm, run.log.info)  # before the final model (whole on rank 0)
+    memory = memplan.measured(run.sync, run.optimizer, comm, run.log.info)  # before the final model is written
     unplanned = memplan.departure(run.plan, memory) if run.plan is not None else None
     if unplanned:
         run.log.warning("%s", unplanned)
         if comm.rank == 0:
             print(f"warning: {unplanned}", file=sys.stderr)
     watchdog.phase("summary reductions; the final model (ZeRO 3 gathers it unit by unit)", step)
-    whole, digest, in_sync = run.par.finish_state(run.model, run.sync)
+    model_file, digest, in_sync = run.par.finish_state(run.model, run.sync, cfg.run_dir / "model.pt")
     e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
     final_loss = sink.last_epoch_loss(comm) if e_n == 0 else e_loss / e_n
     watchdog.idle()
@@ -422,8 +422,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     if comm.rank == 0:
         path = cfg.run_dir / "model.pt"
         try:
-            with replacing(path) as tmp:
-                torch.save(whole, tmp)
+            model_file.close()  # written tensor by tensor by finish_state; a failure to write is raised here
             path = cfg.run_dir / "summary.json"
             write_text(path, json.dumps(summary, indent=2) + "\n")
         except OSError as exc:  # a full disk: one line that says which file, and the free bytes
