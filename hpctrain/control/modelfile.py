@@ -22,7 +22,7 @@ import struct
 import zlib
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ..base.durable import replacing
 from ..base.errors import HpctrainError
@@ -44,6 +44,24 @@ def _layout(tensor: Any) -> tuple[int, ...]:
         out.append(acc)
         acc *= max(sz, 1)
     return tuple(reversed(out))
+
+
+CHUNK_BYTES = 1 << 24
+"""The most bytes of a tensor copied at once to hash or write it: far below a large layer's size."""
+
+
+def byte_chunks(tensor: Any) -> Iterator[Any]:
+    """The bytes of the contiguous `tensor`, in order, as numpy copies of at most CHUNK_BYTES on the host: hashing
+    or writing a tensor never holds a copy of it whole (nor pins a ZeRO 3 parameter's storage, as
+    Tensor.numpy() of the tensor itself would)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    if not flat.numel():
+        return
+    data = flat.view(torch.uint8)
+    for start in range(0, data.numel(), CHUNK_BYTES):
+        yield data[start:start + CHUNK_BYTES].to("cpu", copy=True).numpy()
 
 
 class ModelFile:
@@ -95,18 +113,21 @@ class ModelFile:
         name = self._record.get(key)
         if name is None or self.error is not None:
             return
-        copy = tensor.detach().to("cpu", copy=True)
-        data = torch.empty(0, dtype=torch.uint8).set_(copy.untyped_storage())
-        if data.numel() != self._nbytes[name]:
-            raise HpctrainError(f"model.pt's {key!r} holds {data.numel()} bytes where its placeholder held "
-                                f"{self._nbytes[name]}; this is a bug, please report it")
-        array = data.numpy()
+        data = tensor.detach()
+        if not data.is_contiguous():  # torch.save keeps a dense tensor's layout: the bytes of such a copy
+            data = torch.empty(0, dtype=torch.uint8).set_(data.to("cpu", copy=True).untyped_storage())
+        if data.numel() * data.element_size() != self._nbytes[name]:
+            raise HpctrainError(f"model.pt's {key!r} holds {data.numel() * data.element_size()} bytes where its "
+                                f"placeholder held {self._nbytes[name]}; this is a bug, please report it")
+        crc = 0
         try:
             self._file.seek(self._offset[name])
-            self._file.write(array)
+            for chunk in byte_chunks(data):
+                self._file.write(chunk)
+                crc = zlib.crc32(chunk, crc)
         except OSError as exc:
             self.error = exc
-        self._crc[name] = zlib.crc32(array)
+        self._crc[name] = crc
 
     def close(self) -> None:
         """Set each record's CRC-32 in its local header and in the central directory, flush the file to disk

@@ -19,6 +19,7 @@ from ..comm import Comm, GradSync, ShardedOptimizer
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..trace.spans import TRACER
+from .modelfile import byte_chunks
 from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 
@@ -29,17 +30,14 @@ def param_sha256(model: Any, sync: Any = None, keep: bool = False,
     with `keep`, the state_dict as CPU copies). At ZeRO stage 3 the model is gathered unit by unit through
     `sync` (collective: every rank calls this), never whole on a rank that does not `keep` it. `write(key,
     tensor)` gets each tensor while it is whole (a `ModelFile` writes it)."""
-    import torch
-
     digest = hashlib.sha256()
     kept: dict[str, Any] | None = {} if keep else None
     copies: dict[int, Any] = {}  # a tensor under two keys (tied weights) is kept once, as torch.save keeps it
     items = sync.state_items(model) if sync is not None else model.state_dict(keep_vars=True).items()
     for key, tensor in items:
         digest.update(key.encode())
-        t = tensor.detach().cpu().contiguous().view(-1)
-        if t.numel():  # hashed from a copy: Tensor.numpy() would pin the size of a ZeRO 3 parameter's storage
-            digest.update(t.view(torch.uint8).clone().numpy())
+        for chunk in byte_chunks(tensor.detach().contiguous()):
+            digest.update(chunk)
         if write is not None:
             write(key, tensor)
         if kept is not None:

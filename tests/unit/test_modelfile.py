@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hpctrain.base.durable import replacing
+from hpctrain.control import modelfile
 from hpctrain.control.modelfile import ModelFile
 
 
@@ -28,7 +29,9 @@ def _copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: copies.setdefault(id(t), t.detach().to("cpu", copy=True)) for k, t in state.items()}
 
 
-def test_streamed_file_is_torch_saves_byte_for_byte_but_its_serialization_id(tmp_path):
+@pytest.mark.parametrize("chunk", [1 << 24, 1000], ids=["whole-tensors", "tensors-in-chunks"])
+def test_streamed_file_is_torch_saves_byte_for_byte_but_its_serialization_id(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(modelfile, "CHUNK_BYTES", chunk)
     state = _state()
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     with replacing(tmp_path / "a" / "model.pt") as tmp:  # as the trainer wrote it before: its archive's name
