@@ -36,8 +36,8 @@ demo: venv
 
 # Two pytest workers (pytest-xdist), each test file on one, then the tests marked `alone` by themselves (Horovod's
 # own suite, whose barrier test times a 5 s wait that a rank starved of a core by the other worker cannot meet,
-# and a clean traced run's straggler verdict): about 17 min on 2 cores against 21 serially (20-23 on a slower day)
-# (docs/development.md). TEST_WORKERS=0: everything in one serial run.
+# and a clean traced run's straggler verdict); the suite's time is in docs/development.md.
+# TEST_WORKERS=0: everything in one serial run.
 TEST_WORKERS ?= 2
 test: venv
 ifeq ($(TEST_WORKERS),0)
