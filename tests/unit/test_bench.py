@@ -90,7 +90,7 @@ def test_bench_train_split_json_and_its_table(capsys: pytest.CaptureFixture) -> 
 
 def test_overlap_is_on_by_default_on_a_gpu_only() -> None:
     """On CPUs the communication thread competes with torch's threads: the reference step was slower with it at
-    one thread a rank (2 cores) and at 8 threads a rank (16 cores: 22.8 ms against 15.6 ms, docs/performance.md),
+    one thread a rank (2 cores) and at 8 threads a rank (16 cores; docs/performance.md),
     so auto overlaps only where a GPU computes, however many cores a rank owns (the rule takes no core count)."""
     from hpctrain.control.step import auto_overlap
 
