@@ -15,17 +15,19 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from . import checkpoint as ckpt
-from . import ckptstate, layoutfree, rngstate
+from ..checkpoint import layoutfree
+from ..checkpoint import manager as ckpt
+from ..checkpoint import rng as rngstate
+from ..checkpoint import state as ckptstate
 from ..base.config import TrainConfig
 from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
 from ..comm import Comm
 from ..data.shardformat import ShardSet
-from .ckptboxes import is_ref
-from .ckptformat import REF
-from .ckptload import Loaded, open_checkpoint
-from .position import Position
+from ..checkpoint.boxes import is_ref
+from ..checkpoint.format import REF
+from ..checkpoint.loader import Loaded, open_checkpoint
+from ..data.position import Position
 from .runstate import Start
 from .watchdog import Watchdog
 

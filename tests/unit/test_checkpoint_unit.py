@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.control import checkpoint as ckpt
-from hpctrain.control import ckptboxes, ckptformat, ckptwriter
+from hpctrain.checkpoint import manager as ckpt
+from hpctrain.checkpoint import boxes as ckptboxes
+from hpctrain.checkpoint import format as ckptformat
+from hpctrain.checkpoint import writer as ckptwriter
 from hpctrain.comm import Comm
 from hpctrain.base.durable import sha256_file
 from hpctrain.base.errors import CheckpointError

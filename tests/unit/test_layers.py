@@ -1,7 +1,7 @@
 """The layering the README's module map promises, checked on the source: who may import whom, by package.
 
-    base  <-  trace  <-  compute, comm  <-  data  <-  control  <-  api, tools  <-  cli
-    compute, comm  <-  parallel  <-  control (model parallelism: groups, the split GPT, the pipeline)
+    base  <-  trace  <-  compute, comm  <-  data  <-  checkpoint  <-  control  <-  api, tools  <-  cli
+    compute, comm  <-  parallel  <-  checkpoint, control (model parallelism: groups, the split GPT, the pipeline)
     base, trace, comm  <-  horovod (Horovod's API, imported by user scripts only)
 
 (trace, the flight recorder and the timeline, sits under comm, which feeds it.)
@@ -30,11 +30,13 @@ MAY_IMPORT = {
     "data": {"base", "trace", "comm", "data"},  # the shard writer runs on every rank of `launch -n N -- shard` and gathers over comm
     # model parallelism: process groups and point-to-point over comm, the split GPT over compute's; control runs it
     "parallel": {"base", "trace", "compute", "comm", "parallel"},
-    "control": {"base", "trace", "compute", "comm", "data", "parallel", "control"},
-    "api": {"base", "trace", "compute", "comm", "data", "parallel", "control", "api"},
+    # what a checkpoint holds and how it is written, found and read back: under the trainer, which asks it
+    "checkpoint": {"base", "trace", "compute", "comm", "data", "parallel", "checkpoint"},
+    "control": {"base", "trace", "compute", "comm", "data", "parallel", "checkpoint", "control"},
+    "api": {"base", "trace", "compute", "comm", "data", "parallel", "checkpoint", "control", "api"},
     "horovod": {"base", "trace", "comm", "horovod"},  # Horovod's PyTorch API over the comm layer (import hpctrain.horovod)
-    "tools": {"base", "trace", "compute", "comm", "data", "parallel", "control", "tools"},
-    "cli": {"base", "trace", "compute", "comm", "data", "parallel", "control", "api", "tools", "cli"},
+    "tools": {"base", "trace", "compute", "comm", "data", "parallel", "checkpoint", "control", "tools"},
+    "cli": {"base", "trace", "compute", "comm", "data", "parallel", "checkpoint", "control", "api", "tools", "cli"},
     # the library API lazily, on first use; base.hostmem at once: torch's huge pages must be asked for before torch
     # allocates anything (the package import is the one place every entry passes first)
     "__init__": {"base", "api"},

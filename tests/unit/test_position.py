@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hpctrain.base.config import ShardConfig
-from hpctrain.control.position import Cursor, Position
+from hpctrain.data.position import Cursor, Position
 from hpctrain.data.reader import ShardReader
 from hpctrain.data.shardformat import load_manifest
 from hpctrain.data.sharding import shard

@@ -23,8 +23,8 @@ from typing import Any, Callable
 from ..base.durable import NO_SPACE, free_bytes, fsync_dir, human_bytes
 from ..base.errors import CheckpointError, HpctrainError, describe
 from ..trace.spans import TRACER
-from .ckptformat import (MARKER, RANKS, STATE, build_index, discard, meta_digest, part_name, save_hashed, write_bytes,
-                         write_part)
+from .format import (MARKER, RANKS, STATE, build_index, discard, meta_digest, part_name, save_hashed, write_bytes,
+                     write_part)
 
 
 class Staging:

@@ -39,11 +39,11 @@ from typing import Any
 from ..base.durable import FAULTS, human_bytes, sha256_file
 from ..base.errors import CheckpointError, HpctrainError, StorageError, brief, describe
 from ..trace.spans import TRACER
-from .ckptboxes import Reader
-from .ckptformat import (FORMAT, MARKER, NAMED_FORMATS, RANKS, STATE, assign_writers, decode_json, discard,
-                         expected_files, join_tensors, layout_digest, meta_digest, part_header, part_name, piece,
-                         read_part, split_named, split_tensors)
-from .ckptwriter import AsyncWriter
+from .boxes import Reader
+from .format import (FORMAT, MARKER, NAMED_FORMATS, RANKS, STATE, assign_writers, decode_json, discard,
+                     expected_files, join_tensors, layout_digest, meta_digest, part_header, part_name, piece,
+                     read_part, split_named, split_tensors)
+from .writer import AsyncWriter
 
 
 def step_dir_name(step: int) -> str:

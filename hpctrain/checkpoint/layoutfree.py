@@ -22,10 +22,10 @@ from typing import Any
 from ..base.errors import CheckpointError
 from ..comm import ShardedOptimizer
 from ..parallel.stages import Piece, shares
-from .ckptboxes import is_ref
-from .ckptformat import REF
-from .ckptload import Loaded
-from .ckptstate import OPTIM
+from .boxes import is_ref
+from .format import REF
+from .loader import Loaded
+from .state import OPTIM
 
 
 def boxes(name: str, share: Any, shape: tuple[int, ...], pieces: list[Piece]) -> list[tuple[str, Any, Any, Any]]:

@@ -14,9 +14,9 @@ from typing import Any
 
 from ..base.errors import CheckpointError, HpctrainError
 from ..comm import full_state
-from .checkpoint import load_broadcast, read_trees, verify
-from .ckptboxes import MemoryReader, Reader
-from .ckptformat import NAMED_FORMATS, split_named
+from .boxes import MemoryReader, Reader
+from .format import NAMED_FORMATS, split_named
+from .manager import load_broadcast, read_trees, verify
 
 
 @dataclass(slots=True)

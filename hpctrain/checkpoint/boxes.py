@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..base.errors import CheckpointError
-from .ckptformat import REF, part_name
+from .format import REF, part_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, size), one entry per dimension
 
