@@ -26,8 +26,8 @@ from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
 from ..control.tracing import Timeline
-from .benchlimit import InStepAllreduce, limit_figures, limit_steps
-from .benchwatch import current, progress
+from .limit import InStepAllreduce, limit_figures, limit_steps
+from .watch import current, progress
 
 def parse_size(text: str) -> int:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
