@@ -36,9 +36,9 @@ from typing import Any, Iterator
 
 import torch
 
-from .checkpoint import manager as ckpt, rng as rngstate, state as ckptstate
+from .checkpoint import manager as ckpt, resume, rng as rngstate, state as ckptstate
 from .checkpoint.loader import open_checkpoint
-from .control import resume, runlog
+from .control import runlog
 from .control.step import in_kernel_mean, step_dividing
 from .control.tracing import Timeline
 from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
