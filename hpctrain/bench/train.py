@@ -389,7 +389,7 @@ def _timed_rounds(comm: Comm, named: dict[str, Callable[[], None] | None], steps
 def _raw_allreduce_ms(comm: Comm, params: int) -> float:
     """One raw mpi4py `Allreduce` of all gradient bytes (float32, host memory: the bound for the staging path
     too), back to back, the slowest rank's median (beside the sync alone, timed the same way; the limit's
-    allreduce is timed in the step: `benchlimit.InStepAllreduce`)."""
+    allreduce is timed in the step: `limit.InStepAllreduce`)."""
     flat = np.ones(params, np.float32)
     return median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
 

@@ -1,6 +1,6 @@
 """Opening a checkpoint for a resume: rank 0 reads the small files (meta.json, state.pt's trees and the index
-of the pieces, ranks.pt) and broadcasts them; then every rank reads, through its own `ckptboxes.Reader`, only
-the byte ranges of what it will hold (`ckptstate.restore` asks for them): never the whole state on any rank.
+of the pieces, ranks.pt) and broadcasts them; then every rank reads, through its own `boxes.Reader`, only
+the byte ranges of what it will hold (`state.restore` asks for them): never the whole state on any rank.
 
 A checkpoint of format 1 (written by earlier versions) is read whole by rank 0 and broadcast, as then, and
 served from memory by the same reader interface (a sharded optimizer's slices joined into whole tensors).

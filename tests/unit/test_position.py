@@ -1,4 +1,4 @@
-"""A run's position in its data (control/position.py), the one `hpctrain train` and the library both keep: a batch
+"""A run's position in its data (data/position.py), the one `hpctrain train` and the library both keep: a batch
 counts once it is handed out, a checkpoint's position resumes at the next batch, and on another world size the
 rest of the epoch is every sample not yet trained on, once."""
 
