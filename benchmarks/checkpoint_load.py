@@ -27,9 +27,9 @@ from pathlib import Path
 
 
 def child(path: Path, repeats: int) -> None:
-    from hpctrain.control import checkpoint as ckpt
+    from hpctrain.checkpoint import manager as ckpt
     from hpctrain.comm import world
-    from hpctrain.control.checkpoint import load_broadcast
+    from hpctrain.checkpoint.manager import load_broadcast
 
     comm = world()
 

@@ -42,7 +42,7 @@ from hpctrain.comm import Comm, GradSync, ZeroSync, mpi_info, world  # noqa: E40
 from hpctrain.comm import gradsync as gradsync_module  # noqa: E402
 from hpctrain.compute.gpt import build_lm  # noqa: E402
 from hpctrain.compute.models import mlp  # noqa: E402
-from hpctrain.control import checkpoint as ckpt  # noqa: E402
+from hpctrain.checkpoint import manager as ckpt  # noqa: E402
 from hpctrain.control.lm import flops_and_peak  # noqa: E402
 from hpctrain.control.precision import LossScaler  # noqa: E402
 from hpctrain.base.sections import CommConfig, OptimizerConfig, ZeroConfig  # noqa: E402

@@ -131,7 +131,7 @@ def split_worker(args: argparse.Namespace) -> None:
     from hpctrain.control.step import make_sync
     from hpctrain.parallel.layout import check_layout
     from hpctrain.parallel.stages import model_limits
-    from hpctrain.tools.bench import workload
+    from hpctrain.bench.train import workload
     from hpctrain.trace.flight import RECORDER
 
     comm, env = world(), read_env()

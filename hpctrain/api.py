@@ -36,14 +36,14 @@ from typing import Any, Iterator
 
 import torch
 
-from .control import checkpoint as ckpt
-from .control import ckptstate, resume, rngstate, runlog
-from .control.ckptload import open_checkpoint
-from .control.position import Cursor, Position
+from .checkpoint import manager as ckpt, resume, rng as rngstate, state as ckptstate
+from .checkpoint.loader import open_checkpoint
+from .control import runlog
 from .control.step import in_kernel_mean, step_dividing
 from .control.tracing import Timeline
 from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
 from .data import staging
+from .data.position import Cursor, Position
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
 from .base.hostmem import warn_if_huge_pages_missed

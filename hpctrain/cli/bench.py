@@ -58,8 +58,8 @@ def allreduce(
     Example: hpctrain bench allreduce -n 2 --sizes 4K,1M,16M --json
     """
     _relaunch(n)
-    from ..tools.bench import bench_allreduce, parse_size
-    from ..tools.benchwatch import watched
+    from ..bench.train import bench_allreduce, parse_size
+    from ..bench.watch import watched
 
     _exit_budget(collective_timeout)
     with watched(collective_timeout) as comm:
@@ -137,8 +137,8 @@ def train(
     if tp * pp > 1 and device != "cpu":
         raise ConfigError("bench train --tp/--pp measures on the CPU for now: drop --device cuda")
     _relaunch(n)
-    from ..tools.bench import bench_train
-    from ..tools.benchwatch import watched
+    from ..bench.train import bench_train
+    from ..bench.watch import watched
 
     _exit_budget(collective_timeout)
     if tp * pp > 1:
@@ -207,8 +207,8 @@ def _print_train(result: dict) -> None:
 
 def _train_split(collective_timeout: float, json_out: bool, **options: Any) -> None:
     """`bench train --tp/--pp`: the split step, measured on every rank; printed by rank 0."""
-    from ..tools.benchparallel import bench_parallel
-    from ..tools.benchwatch import watched
+    from ..bench.parallel import bench_parallel
+    from ..bench.watch import watched
 
     with watched(collective_timeout) as comm:
         result = bench_parallel(comm, **options)
@@ -252,8 +252,8 @@ def data(
     Example: hpctrain bench data data/ -n 2 --epochs 6 --json
     """
     _relaunch(n)
-    from ..tools.benchdata import bench_data
-    from ..tools.benchwatch import watched
+    from ..bench.data import bench_data
+    from ..bench.watch import watched
     from ..comm import Comm, world
     from ..base.rankenv import read_env
 

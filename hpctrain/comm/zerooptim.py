@@ -11,7 +11,7 @@ others (LBFGS, Adafactor, anything that looks at a whole tensor) are refused.
 State. `layout_state()` is the replicated part (param groups by the index of each parameter in the wrapped
 optimizer, and each parameter's shape), `owned_state()` this rank's slices of the state; a checkpoint writes
 them as boxes of whole tensors and `load_owned()` reads back the slices this rank owns now, on any world size
-and stage (control/ckptstate.py). `state_dict()` gathers torch's ordinary optimizer state_dict of the whole
+and stage (checkpoint/state.py). `state_dict()` gathers torch's ordinary optimizer state_dict of the whole
 model (`full_state` joins any number of ranks' `shard_state()`s) and `load_state_dict()` slices such a dict.
 """
 

@@ -35,7 +35,7 @@ from ..parallel.layout import Layout, check_layout
 from ..parallel.pipeline import Pipeline
 from ..parallel.stages import build_stage, model_limits, put, shares
 from ..trace.spans import TRACER
-from .modelfile import ModelFile
+from ..checkpoint.modelfile import ModelFile
 from .precision import LossScaler, autocast
 from .step import evaluate, param_sha256, train_step
 

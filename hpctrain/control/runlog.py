@@ -35,7 +35,7 @@ from ..base.errors import HpctrainError
 from ..base.durable import FAULTS, write_failure, write_text
 from ..base.progress import Progress
 from ..base.stop import FLAG as STOP
-from .checkpoint import step_dir_name
+from ..checkpoint.manager import step_dir_name
 
 
 class RunFile:

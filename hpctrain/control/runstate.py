@@ -12,14 +12,14 @@ from typing import Any
 from ..base.config import TrainConfig
 from ..comm import Comm, GradSync
 from ..data import staging
+from ..data.position import Cursor, Position
 from ..data.reader import ShardReader
 from ..data.shardformat import ShardSet
-from . import checkpoint as ckpt
+from ..checkpoint import manager as ckpt
+from ..checkpoint.loader import Loaded
 from . import lm
-from .ckptload import Loaded
 from .hybrid import Parallel
 from .plan import Plan
-from .position import Cursor, Position
 from .precision import LossScaler
 from .tracing import Timeline
 from .watchdog import Watchdog

@@ -19,7 +19,7 @@ from ..comm import Comm, GradSync, ShardedOptimizer
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..trace.spans import TRACER
-from .modelfile import byte_chunks
+from ..checkpoint.modelfile import byte_chunks
 from .precision import LossScaler, autocast
 from .watchdog import Watchdog
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 
-from . import checkpoint as ckpt
+from ..checkpoint import manager as ckpt
 from . import hybrid, lm, resume, runlog
 from . import plan as memplan
 from ..comm import Comm, world
@@ -39,7 +39,7 @@ from ..base.errors import ConfigError, HpctrainError
 from .runlog import RunLog
 from ..base.stop import FLAG as STOP
 from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
-from .position import Cursor
+from ..data.position import Cursor
 from .precision import LossScaler
 from .step import auto_overlap, lr_factor, make_sync
 from .runstate import Outcome, Run

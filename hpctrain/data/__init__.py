@@ -1,1 +1,2 @@
-"""The data layer: per-rank HDF5 shards, their manifest, the sources they are written from, and the reader."""
+"""The data layer: per-rank HDF5 shards, their manifest, the sources they are written from, the reader, and where a
+run stands in its data."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import hpctrain, mpirun, summary
-from hpctrain.control import checkpoint as ckpt
+from hpctrain.checkpoint import manager as ckpt
 
 pytestmark = pytest.mark.mpi
 SCRIPTS = Path(__file__).parent / "scripts"

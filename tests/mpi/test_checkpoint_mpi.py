@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, hpctrain, mpi_env, summary
-from hpctrain.control import checkpoint as ckpt
-from hpctrain.control.ckptformat import part_name
+from hpctrain.checkpoint import manager as ckpt
+from hpctrain.checkpoint.format import part_name
 from hpctrain.tools.report import read_jsonl
 
 pytestmark = pytest.mark.mpi
@@ -126,7 +126,7 @@ def test_kill_9_one_rank_ends_job_and_resume_is_bit_identical(digits2: Path, tmp
 
 SAVER = r"""
 import os, sys, torch
-from hpctrain.control.checkpoint import CheckpointManager
+from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.comm import Comm
 for line in sys.stdin:  # one forked saver per line; torch is imported once
     base = int(line)

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from conftest import hpctrain, summary
-from hpctrain.control import checkpoint as ckpt
+from hpctrain.checkpoint import manager as ckpt
 
 pytestmark = pytest.mark.mpi
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, ROOT, mpi_env, summary
-from hpctrain.control import checkpoint as ckpt
+from hpctrain.checkpoint import manager as ckpt
 from test_stop_signals_mpi import start, stopped_and_recorded, wait_for_step
 
 pytestmark = pytest.mark.mpi

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, hpctrain, mpi_env, summary
-from hpctrain.control import checkpoint as ckpt
+from hpctrain.checkpoint import manager as ckpt
 from hpctrain.tools.report import read_jsonl
 
 pytestmark = pytest.mark.mpi

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import hpctrain, mpi_env, mpirun, summary
-from hpctrain.control import checkpoint as ckpt
+from hpctrain.checkpoint import manager as ckpt
 
 pytestmark = pytest.mark.mpi
 # small buckets, so that slices cut through parameters and differ in size between the 4 ranks

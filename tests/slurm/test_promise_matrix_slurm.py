@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import mpi_env, summary
-from hpctrain.control import checkpoint as ckpt
+from hpctrain.checkpoint import manager as ckpt
 from hpctrain.tools.report import read_jsonl
 
 from slurm_util import cluster_session, wait_for

@@ -100,7 +100,7 @@ def test_overlap_is_on_by_default_on_a_gpu_only() -> None:
 def test_the_limit_of_each_round_adds_that_rounds_allreduce_timed_in_the_step() -> None:
     from types import SimpleNamespace
 
-    from hpctrain.tools.benchlimit import limit_figures
+    from hpctrain.bench.limit import limit_figures
 
     # seconds per round: hpctrain, the plain step, the allreduce timed in the step; back to back 3.0 ms
     in_step = SimpleNamespace(rounds=[0.005, 0.006, 0.004])  # what InStepAllreduce kept, one figure per round

@@ -18,7 +18,7 @@ import torch
 from hpctrain.base import durable
 from hpctrain.base.errors import CheckpointError, StorageError
 from hpctrain.comm import Comm
-from hpctrain.control import checkpoint as ckpt
+from hpctrain.checkpoint import manager as ckpt
 from hpctrain.control import runlog
 
 STATE = {"model_state": {"w": torch.ones(64)}, "train_state": {"lr": 0.1}, "rank_state": {"r": 0},

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.control import checkpoint as ckpt
-from hpctrain.control import ckptboxes, ckptformat, ckptwriter
+from hpctrain.checkpoint import manager as ckpt
+from hpctrain.checkpoint import boxes as ckptboxes
+from hpctrain.checkpoint import format as ckptformat
+from hpctrain.checkpoint import writer as ckptwriter
 from hpctrain.comm import Comm
 from hpctrain.base.durable import sha256_file
 from hpctrain.base.errors import CheckpointError
@@ -211,3 +213,15 @@ def test_parts_another_node_wrote_must_be_visible_before_the_marker(tmp_path: Pa
         ckptwriter._await_parts(tmp_path, {"part-00000.bin": 10, "part-00001.bin": 5}, patience=0.3)
     with pytest.raises(CheckpointError, match="size differs"):
         ckptwriter._await_parts(tmp_path, {"part-00000.bin": 11}, patience=0.0)
+
+
+def test_load_files_has_its_documented_name_and_the_old_one_still_works_with_a_warning() -> None:
+    import importlib
+
+    import hpctrain.checkpoint
+
+    assert hpctrain.checkpoint.load_files is ckpt.load_files
+    sys.modules.pop("hpctrain.control.checkpoint", None)  # a first import, as a user's script makes it
+    with pytest.warns(DeprecationWarning, match="hpctrain.checkpoint.load_files"):
+        old = importlib.import_module("hpctrain.control.checkpoint")
+    assert old.load_files is ckpt.load_files and old.CheckpointManager is ckpt.CheckpointManager

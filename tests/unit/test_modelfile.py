@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hpctrain.base.durable import replacing
-from hpctrain.control import modelfile
-from hpctrain.control.modelfile import ModelFile
+from hpctrain.checkpoint import modelfile
+from hpctrain.checkpoint.modelfile import ModelFile
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""A run's position in its data (control/position.py), the one `hpctrain train` and the library both keep: a batch
+"""A run's position in its data (data/position.py), the one `hpctrain train` and the library both keep: a batch
 counts once it is handed out, a checkpoint's position resumes at the next batch, and on another world size the
 rest of the epoch is every sample not yet trained on, once."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hpctrain.base.config import ShardConfig
-from hpctrain.control.position import Cursor, Position
+from hpctrain.data.position import Cursor, Position
 from hpctrain.data.reader import ShardReader
 from hpctrain.data.shardformat import load_manifest
 from hpctrain.data.sharding import shard

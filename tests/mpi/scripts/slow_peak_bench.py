@@ -9,8 +9,8 @@ import time
 
 import hpctrain.base.stop as stop
 import hpctrain.compute.gpt as gpt  # control/lm looks measure_peak_flops up in gpt's namespace
-from hpctrain.tools.bench import bench_train
-from hpctrain.tools.benchwatch import watched
+from hpctrain.bench.train import bench_train
+from hpctrain.bench.watch import watched
 
 seconds = float(sys.argv[1])
 stop.EDGE_FLOOR_S = seconds / 2  # the start-up budget (at least a minute in use), shorter than the slow measurement

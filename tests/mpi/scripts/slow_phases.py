@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-import hpctrain.control.ckptwriter as ckpt  # the writer looks write_part up in its own namespace
+import hpctrain.checkpoint.writer as ckpt  # the writer looks write_part up in its own namespace
 from hpctrain.control import hybrid, trainer
 from hpctrain.comm import world
 from hpctrain.base.config import TrainConfig

@@ -26,8 +26,8 @@ from ..comm import Comm, GradSync, self_comm
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
 from ..control.tracing import Timeline
-from .benchlimit import InStepAllreduce, limit_figures, limit_steps
-from .benchwatch import current, progress
+from .limit import InStepAllreduce, limit_figures, limit_steps
+from .watch import current, progress
 
 def parse_size(text: str) -> int:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -389,7 +389,7 @@ def _timed_rounds(comm: Comm, named: dict[str, Callable[[], None] | None], steps
 def _raw_allreduce_ms(comm: Comm, params: int) -> float:
     """One raw mpi4py `Allreduce` of all gradient bytes (float32, host memory: the bound for the staging path
     too), back to back, the slowest rank's median (beside the sync alone, timed the same way; the limit's
-    allreduce is timed in the step: `benchlimit.InStepAllreduce`)."""
+    allreduce is timed in the step: `limit.InStepAllreduce`)."""
     flat = np.ones(params, np.float32)
     return median_time(comm, lambda: comm.allreduce_inplace(flat), 20) * 1e3
 

@@ -1,5 +1,5 @@
 """Checkpoints: the policy (when, where, how many, what counts as complete) and the public save and load
-entry points. The file format is in `ckptformat`, the background writing in `ckptwriter`.
+entry points. The file format is in `format`, the background writing in `writer`.
 
 A checkpoint is a directory `RUN/checkpoints/step-NNNNNNN/` holding
     part-RRRRR.bin  the tensors of the model and optimizer state as pieces (boxes of named tensors), split over
@@ -18,9 +18,9 @@ It is written under a temporary name, every file fsynced, then renamed into plac
 `latest()` falls back to the previous one when the newest is damaged. `keep` (>= 2) old checkpoints
 survive; older ones are pruned only after a newer one is complete.
 
-Saving is asynchronous (`ckptwriter`): each rank writes its share in the background, and rank 0 completes
-the checkpoint once every part is on disk. Loading (`ckptload`): rank 0 reads and broadcasts the small files,
-and every rank reads from the part files only the byte ranges of what it will hold (`ckptboxes`).
+Saving is asynchronous (`writer`): each rank writes its share in the background, and rank 0 completes
+the checkpoint once every part is on disk. Loading (`loader`): rank 0 reads and broadcasts the small files,
+and every rank reads from the part files only the byte ranges of what it will hold (`boxes`).
 
 Only the trainer and the library API use this module; it knows nothing about MPI beyond the `Comm`
 object it is given, and runs no collective outside the trainer's thread.
@@ -39,11 +39,11 @@ from typing import Any
 from ..base.durable import FAULTS, human_bytes, sha256_file
 from ..base.errors import CheckpointError, HpctrainError, StorageError, brief, describe
 from ..trace.spans import TRACER
-from .ckptboxes import Reader
-from .ckptformat import (FORMAT, MARKER, NAMED_FORMATS, RANKS, STATE, assign_writers, decode_json, discard,
-                         expected_files, join_tensors, layout_digest, meta_digest, part_header, part_name, piece,
-                         read_part, split_named, split_tensors)
-from .ckptwriter import AsyncWriter
+from .boxes import Reader
+from .format import (FORMAT, MARKER, NAMED_FORMATS, RANKS, STATE, assign_writers, decode_json, discard,
+                     expected_files, join_tensors, layout_digest, meta_digest, part_header, part_name, piece,
+                     read_part, split_named, split_tensors)
+from .writer import AsyncWriter
 
 
 def step_dir_name(step: int) -> str:
@@ -154,7 +154,7 @@ def read_trees(path: Path) -> tuple[Any, Any]:
 
 def load_files(path: Path, *, verified: bool = False) -> dict[str, Any]:
     """Read a whole checkpoint: {"meta", "model", "train", "ranks"} with every tensor whole (for tools and tests;
-    a resume reads only its own boxes, `ckptload`). A sharded optimizer's state (--zero 1-3) is under
+    a resume reads only its own boxes, `loader`). A sharded optimizer's state (--zero 1-3) is under
     train.optimizer.state as torch's optimizer state_dict has it. The checksums are checked first unless
     `verified` (the caller just did, e.g. through `latest`)."""
     path = Path(path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..data.reader import ShardReader, epoch_remainder
+from .reader import ShardReader, epoch_remainder
 
 
 @dataclass(slots=True)

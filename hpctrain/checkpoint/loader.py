@@ -1,6 +1,6 @@
 """Opening a checkpoint for a resume: rank 0 reads the small files (meta.json, state.pt's trees and the index
-of the pieces, ranks.pt) and broadcasts them; then every rank reads, through its own `ckptboxes.Reader`, only
-the byte ranges of what it will hold (`ckptstate.restore` asks for them): never the whole state on any rank.
+of the pieces, ranks.pt) and broadcasts them; then every rank reads, through its own `boxes.Reader`, only
+the byte ranges of what it will hold (`state.restore` asks for them): never the whole state on any rank.
 
 A checkpoint of format 1 (written by earlier versions) is read whole by rank 0 and broadcast, as then, and
 served from memory by the same reader interface (a sharded optimizer's slices joined into whole tensors).
@@ -14,9 +14,9 @@ from typing import Any
 
 from ..base.errors import CheckpointError, HpctrainError
 from ..comm import full_state
-from .checkpoint import load_broadcast, read_trees, verify
-from .ckptboxes import MemoryReader, Reader
-from .ckptformat import NAMED_FORMATS, split_named
+from .boxes import MemoryReader, Reader
+from .format import NAMED_FORMATS, split_named
+from .manager import load_broadcast, read_trees, verify
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ and rank 0's completion of the checkpoint.
 At the step boundary each rank copies its share of the state to host memory (the only stall; into buffers
 kept from the previous save, see `Staging`), and a background thread per rank writes it while training goes
 on. The ranks learn that every part is on disk from the one small allreduce they already do per step (the
-policy in `checkpoint` runs it); rank 0 then gathers the checksums and completes the checkpoint (meta,
+policy in `manager` runs it); rank 0 then gathers the checksums and completes the checkpoint (meta,
 marker, rename). The next save first waits for the previous one.
 
 It knows nothing about MPI beyond the `Comm` object it is given, and runs no collective outside the
@@ -23,8 +23,8 @@ from typing import Any, Callable
 from ..base.durable import NO_SPACE, free_bytes, fsync_dir, human_bytes
 from ..base.errors import CheckpointError, HpctrainError, describe
 from ..trace.spans import TRACER
-from .ckptformat import (MARKER, RANKS, STATE, build_index, discard, meta_digest, part_name, save_hashed, write_bytes,
-                         write_part)
+from .format import (MARKER, RANKS, STATE, build_index, discard, meta_digest, part_name, save_hashed, write_bytes,
+                     write_part)
 
 
 class Staging:

@@ -7,7 +7,7 @@ What a layout owns maps onto boxes: a whole tensor is one box; a ZeRO slice of a
 range of each of its parameters, which is at most 2 x (dims - 1) + 1 boxes (`flat_boxes`: a partial first
 row, whole rows, a partial last row, recursively); a tensor-parallel slice is one box. The index (which
 pieces of which tensor lie where) is gathered by rank 0 when it writes and stored in state.pt
-(`ckptformat.index_entry`); the format is in docs/reference/formats.md.
+(`format.index_entry`); the format is in docs/reference/formats.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..base.errors import CheckpointError
-from .ckptformat import REF, part_name
+from .format import REF, part_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, size), one entry per dimension
 

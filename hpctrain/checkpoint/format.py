@@ -3,13 +3,13 @@ references in the trees, the split of the writing over the ranks, and the hashin
 
 A checkpoint directory holds `part-RRRRR.bin` (one per rank that wrote), `state.pt`, `ranks.pt`, `meta.json`
 and the `COMPLETE` marker, which holds the sha256 of meta.json (empty in checkpoints of earlier versions; see
-`checkpoint` for what each file holds and when a directory counts).
+`manager` for what each file holds and when a directory counts).
 
 Format 2 (meta.json `"format": 2`): every tensor has a name (its path in the state trees: `model/fc.weight`,
 `train/optimizer/state/3/exp_avg`, `rank0001/rng/torch`), its whole shape and dtype, and is stored as pieces,
 each an n-d box of it (offsets and lengths per dimension) that one rank wrote contiguously into its part file;
 the trees refer to tensors by name, and state.pt holds the index of every piece (`build_index`), so a reader
-reads any box of any tensor by byte ranges (`ckptboxes`). State that is equal on every rank (a replicated
+reads any box of any tensor by byte ranges (`boxes`). State that is equal on every rank (a replicated
 model, a plain optimizer) is written once, whole: the tensors are dealt to the ranks largest first, each to the
 rank with the fewest bytes so far (as torch.distributed.checkpoint deduplicates replicated tensors), so W ranks
 write about 1/W of the bytes each, in parallel. Sharded state (ZeRO's slices of parameters and optimizer
@@ -23,7 +23,7 @@ running statistics, any `register_buffer`) are rank 0's, written by rank 0 alone
 (the gradient engine broadcasts them every step, `comm/buffers.py`). In a checkpoint of format 2 written by
 several ranks each rank had kept its own buffers and the dealing above wrote each one from whichever rank it fell
 to: one rank's running mean beside another's variance. Such a checkpoint still resumes (every rank loads the
-same values) and the resume says so in one line (`ckptstate.restore`).
+same values) and the resume says so in one line (`state.restore`).
 
 Format 1 (checkpoints of earlier versions: numbered whole tensors, a sharded optimizer's slices as per-rank
 trees) is still read (`read_part`), whole, by rank 0.

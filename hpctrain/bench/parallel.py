@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from ..comm import Comm
-from .bench import median_time, workload
-from .benchwatch import progress
+from .train import median_time, workload
+from .watch import progress
 
 
 def _state_bytes(model: Any, optimizer: Any) -> int:

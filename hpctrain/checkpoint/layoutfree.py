@@ -3,7 +3,7 @@ is a box of the whole tensor, and a resume reads only the boxes it will hold.
 
 A split rank holds shares of the whole model's tensors: for a tensor-parallel split, pieces along one dimension
 (`parallel.stages`: (dim, offset in the whole tensor, offset in the share, length)); a pipeline stage holds
-its blocks' tensors whole. Each piece is one box of the format (`ckptboxes`): start `offset` and size `length`
+its blocks' tensors whole. Each piece is one box of the format (`boxes`): start `offset` and size `length`
 along its dimension, the whole extent along the others. So a split run writes what a data-parallel run writes:
 the model's tensors by their whole-model names (`model/<key>`; the tied head refers to the embedding's name),
 the optimizer state by the whole model's parameter index (`train/optimizer/state/<index>/<key>`), the trees
@@ -11,7 +11,7 @@ alike on every rank. The ranks of the first replica that hold a share write it (
 rank holds whole: tensor rank 0; the tied embedding/head: the first stage).
 
 Any run reads any of them: a data-parallel run (any ZeRO stage) reads a split run's checkpoint through
-`ckptstate.restore` as if a data-parallel run had written it, and a split run reads any checkpoint here
+`state.restore` as if a data-parallel run had written it, and a split run reads any checkpoint here
 (`restore`): for each tensor of its stage, the boxes of its pieces. meta.json records the layout (D, T, P).
 """
 
@@ -22,10 +22,10 @@ from typing import Any
 from ..base.errors import CheckpointError
 from ..comm import ShardedOptimizer
 from ..parallel.stages import Piece, shares
-from .ckptboxes import is_ref
-from .ckptformat import REF
-from .ckptload import Loaded
-from .ckptstate import OPTIM
+from .boxes import is_ref
+from .format import REF
+from .loader import Loaded
+from .state import OPTIM
 
 
 def boxes(name: str, share: Any, shape: tuple[int, ...], pieces: list[Piece]) -> list[tuple[str, Any, Any, Any]]:

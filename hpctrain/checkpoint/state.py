@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 from ..base.errors import CheckpointError
 from ..comm import ShardedOptimizer, world
-from .ckptboxes import flat_boxes, is_ref
-from .ckptformat import FORMAT, REF
-from .ckptload import Loaded
+from .boxes import flat_boxes, is_ref
+from .format import FORMAT, REF
+from .loader import Loaded
 
 OPTIM = "train/optimizer/state"  # the name prefix of optimizer state: OPTIM/<parameter index>/<key>
 
