@@ -34,6 +34,7 @@ from ..data import staging
 from ..data.reader import ShardReader
 from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import write_failure, write_text
+from ..base.hostmem import host_tuning_line
 from ..base.rankenv import RankEnv, read_env, select_device
 from ..base.errors import ConfigError, HpctrainError
 from .runlog import RunLog
@@ -214,6 +215,7 @@ def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watch
     log.info("world %d, rank %d, local rank %d, pid %d, host %s, launcher %s, device %s, torch threads %d",
              comm.size, comm.rank, env.local_rank, os.getpid(), socket.gethostname(), env.launcher, device,
              torch.get_num_threads())
+    log.info("%s", host_tuning_line())
     if comm.rank == 0:
         runlog.write_config(cfg.run_dir, cfg.to_sections())
     return log
