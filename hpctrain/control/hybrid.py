@@ -38,6 +38,7 @@ from ..trace.spans import TRACER
 from .modelfile import ModelFile
 from .precision import LossScaler, autocast
 from .step import evaluate, param_sha256, train_step
+from .watchdog import waiting
 
 
 @dataclass(slots=True)
@@ -171,11 +172,8 @@ class Parallel:
                     loss_sum, correct, n = loss_sum + loss, correct + hits, n + y.numel()
         stage.train()
         TRACER.span("validation", started, time.perf_counter())
-        if watchdog is not None:
-            watchdog.phase("validation reduction", step)
-        loss_sum, correct, n = self.world.allreduce_array([loss_sum, correct, n])
-        if watchdog is not None:
-            watchdog.idle()
+        with waiting(watchdog, "validation reduction", step):
+            loss_sum, correct, n = self.world.allreduce_array([loss_sum, correct, n])
         return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}
 
     def whole_state(self, model: Any) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from ..data.reader import ShardReader
 from ..trace.spans import TRACER
 from .modelfile import byte_chunks
 from .precision import LossScaler, autocast
-from .watchdog import Watchdog
+from .watchdog import Watchdog, waiting
 
 
 def param_sha256(model: Any, sync: Any = None, keep: bool = False,
@@ -257,9 +257,6 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
             n += y.numel()
     model.train()
     TRACER.span("validation", started, time.perf_counter())
-    if watchdog is not None:
-        watchdog.phase("validation reduction", step)
-    loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])
-    if watchdog is not None:
-        watchdog.idle()
+    with waiting(watchdog, "validation reduction", step):
+        loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])
     return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}
