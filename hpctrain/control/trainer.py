@@ -45,6 +45,7 @@ from .precision import LossScaler
 from .step import auto_overlap, lr_factor, make_sync
 from .runstate import Outcome, Run
 from .tracing import Timeline
+from .update import StepSetup
 from .watchdog import Watchdog, end_job
 
 
@@ -289,6 +290,8 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
     policy asks for, on a stop and at the last step."""
     cfg, comm, watchdog, start = run.cfg, run.comm, run.watchdog, run.start
     out, cursor = Outcome(step=start.step), run.cursor
+    setup = StepSetup(model=run.model, sync=run.sync, optimizer=run.optimizer, loss_fn=run.loss_fn, device=run.device,
+                      clip_grad=cfg.clip_grad, accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler)
     while out.step < run.total_steps:
         epoch = cursor.epoch
         run.model.train()
@@ -299,10 +302,7 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
             reader, index = cursor.current
             rows = int(reader.step_sizes(index).sum())
             with watchdog.waiting("gradient allreduce", out.step + 1):
-                loss = run.par.step(run.model, run.sync, run.optimizer, run.loss_fn, batch.x, batch.y,
-                                    rows * run.rates.targets, clip_grad=cfg.clip_grad, device=run.device,
-                                    accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler,
-                                    step=out.step + 1)
+                loss = run.par.step(setup, batch.x, batch.y, rows * run.rates.targets, step=out.step + 1)
             if out.step == start.step:  # the first step is done: the steady state's deadline from here on
                 watchdog.at_edge(None)
             run.scheduler.step()
