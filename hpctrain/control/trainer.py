@@ -43,7 +43,7 @@ from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
 from .position import Cursor
 from .precision import LossScaler
 from .step import auto_overlap, lr_factor, make_sync
-from .runstate import Outcome, Run
+from .runstate import Inputs, Outcome, Run
 from .tracing import Timeline
 from .update import StepSetup
 from .watchdog import Watchdog, end_job
@@ -118,23 +118,25 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
                                             abort=comm.abort).start())
     watchdog.at_edge(edge_budget(cfg.collective_timeout))  # start-up, until the first step is done
     cancel_deadline()  # MPI is up and the watchdog watches from here
-    shardset, model, device, resume_path, warnings, plan, layout = _check_inputs(cfg, comm, env, watchdog)
-    log = _open_run_dir(cfg, comm, env, device, watchdog, stack, warnings)
+    inputs = _check_inputs(cfg, comm, env, watchdog)
+    shardset, model, device = inputs.shardset, inputs.model, inputs.device  # the shards staged, the model split below
+    log = _open_run_dir(cfg, comm, env, device, watchdog, stack, inputs.warnings)
     timeline = Timeline(cfg.run_dir, cfg.trace, comm, env=env, watchdog=watchdog)  # --trace, and the test hooks
     stack.callback(timeline.abandon)
     staged = staging.Staged()
-    if plan is not None:  # --stage-to: this rank's files copied to node-local disk, read there, removed on any exit
+    if inputs.plan is not None:  # --stage-to: this rank's files copied to node-local disk, read there, removed on exit
         with watchdog.waiting("staging the shards (every rank copies its own)", 0, budget=cfg.checkpoint_timeout):
-            shardset, staged = staging.stage(plan, shardset, comm, keep=cfg.keep_staged, on_exit=stack.callback,
+            shardset, staged = staging.stage(inputs.plan, shardset, comm, keep=cfg.keep_staged, on_exit=stack.callback,
                                              log=log.info)
     _share_initial_weights(cfg, comm, model, device, watchdog)
     with watchdog.waiting("start-up: splitting the model over the ranks (--tp/--pp)", 0):
-        par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device=device, precision=cfg.precision,
-                           batch_rows=cfg.batch_size * cfg.accumulate, row=hybrid.sample_row(shardset), seed=cfg.seed,
-                           watchdog=watchdog)
+        par = hybrid.split(cfg.section(ParallelConfig), comm, inputs.layout, model, device=device,
+                           precision=cfg.precision, batch_rows=cfg.batch_size * cfg.accumulate,
+                           row=hybrid.sample_row(shardset), seed=cfg.seed, watchdog=watchdog)
     model = par.model(model)  # a split run keeps its stage only: the whole model is freed here
-    start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout,
-                               data_ranks=par.data.size, batch=cfg.batch_size * cfg.accumulate)
+    start = resume.start_point(comm, shardset, inputs.resume_path, watchdog, data=cfg.data,
+                               budget=cfg.checkpoint_timeout, data_ranks=par.data.size,
+                               batch=cfg.batch_size * cfg.accumulate)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack, par)
     run.staged, run.timeline = staged, timeline
     timeline.warn_outside(start.step, run.total_steps, log)
@@ -153,10 +155,9 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     return _finish(run, sink, outcome)
 
 
-def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog) -> tuple[Any, ...]:
+def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog) -> Inputs:
     """Check everything before anything is written, on every rank, and agree; then rank 0 alone finds and
-    verifies the checkpoint to resume from (checksums read every byte). (shardset, model, device, path, warnings, plan,
-    layout)"""
+    verifies the checkpoint to resume from (checksums read every byte)."""
     import torch
 
     error: HpctrainError | None = None
@@ -195,7 +196,8 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
                           budget=cfg.checkpoint_timeout if comm.rank else None):
         comm.agree(error if comm.rank == 0 else None)
         resume_path = comm.bcast(resume_path)
-    return shardset, model, device, resume_path, warnings, plan, layout
+    return Inputs(shardset=shardset, model=model, device=device, resume_path=resume_path, warnings=warnings, plan=plan,
+                  layout=layout)
 
 
 def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watchdog: Watchdog,
@@ -264,8 +266,8 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     with watchdog.waiting("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""),
                           start.step):
         kept = resume.kept_reducer(cfg.section(ZeroConfig), start.state, comm.size)
-        sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model,
-                                    dp, overlap, reduce=kept, alone=par.tied)
+        sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig),
+                                    model, dp, overlap, reduce=kept, alone=par.tied)
         stack.callback(sync.close)
     scheduler = torch.optim.lr_scheduler.LambdaLR(getattr(optimizer, "inner", optimizer),
                                                   lr_factor(cfg.schedule, total_steps, cfg.warmup))
@@ -278,11 +280,13 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     with watchdog.waiting("start-up: checkpoint manager", start.step):
         manager = ckpt.CheckpointManager(
             cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
-            on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
+            on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)",
+                                            budget=cfg.checkpoint_timeout))
     rates = lm.rates(cfg.precision, shardset, model, comm, device, flops=par.flops_per_token, watchdog=watchdog)
-    return Run(cfg, comm, log, watchdog, shardset, model, device, start, cursor, val_reader, optimizer,
-               scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps, rates,
-               LossScaler() if cfg.precision == "fp16" else None, par=par)
+    return Run(cfg=cfg, comm=comm, log=log, watchdog=watchdog, shardset=shardset, model=model, device=device,
+               start=start, cursor=cursor, val_reader=val_reader, optimizer=optimizer, scheduler=scheduler, sync=sync,
+               manager=manager, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"), total_steps=total_steps,
+               rates=rates, scaler=LossScaler() if cfg.precision == "fp16" else None, par=par)
 
 
 def _loop(run: Run, sink: RunLog) -> Outcome:
