@@ -46,7 +46,7 @@ from .comm import Comm, GradSync, ShardedOptimizer, sharded_owner, world
 from .data import staging
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
-from .base.hostmem import tune_host_memory
+from .base.hostmem import tune_unless_decided
 from .base.rankenv import RankEnv, read_env, select_device
 from .base.errors import CheckpointError, ConfigError, HpctrainError
 from .base.stop import FLAG as STOP
@@ -74,7 +74,7 @@ def init(*, threads: int | None = None) -> Context:
     rank when GPUs are visible, else the CPU). Safe to call twice."""
     global _CONTEXT
     if _CONTEXT is None:
-        tune_host_memory()
+        tune_unless_decided()
         env = read_env()
         comm = world()
         torch.set_num_threads(threads or env.torch_threads())

@@ -1,7 +1,8 @@
 """Host memory for a training process: huge pages under torch's large CPU tensors, and freed gradient memory
 reused, not handed back to the OS. Nothing here acts at import: `tune_host_memory()` is the one call that tunes a
 process, made by `hpctrain train` and `hpctrain bench` before torch's first allocation and by `hpctrain.init()` /
-`hvd.init()`. `HPCTRAIN_HOST_TUNING=0` (or `hpctrain.init(host_tuning=False)`) leaves the process as it is.
+`hvd.init()` (unless the process called it first). `HPCTRAIN_HOST_TUNING=0` (or `hpctrain.tune_host_memory(False)`
+before `init()`) leaves the process as it is.
 
 Autograd hands over fresh gradient tensors every step (GradSync drops the old ones, as `zero_grad()` does).
 glibc serves an allocation above its mmap threshold (dynamic, from 128 KiB) with a fresh mapping and
@@ -97,7 +98,7 @@ class HostTuning:
     def line(self) -> str:
         """One line for a run's log."""
         if self.off:
-            return f"host memory: left as it is ({OPT_OUT_ENV}=0 or host_tuning=False)"
+            return f"host memory: left as it is ({OPT_OUT_ENV}=0 or tune_host_memory(False))"
         pages = ("huge pages asked too late (torch had allocated)" if self.late else
                  f"huge pages {'on' if self.huge_pages else 'off'} ({THP_ENV}={os.environ.get(THP_ENV, 'unset')})")
         freed = "freed memory kept for reuse (mallopt)" if self.reuse_freed else "allocator left as it is"
@@ -133,6 +134,12 @@ def tune_host_memory(enable: bool = True) -> HostTuning:
             warnings.warn(HUGE_PAGES_MISSED, stacklevel=_caller_outside_hpctrain())
     _applied = tuning
     return tuning
+
+
+def tune_unless_decided() -> HostTuning:
+    """`tune_host_memory()`, unless this process called it already: `hpctrain.init()` and `hvd.init()` make it, and
+    a script's own earlier call (`tune_host_memory(False)` included) stands."""
+    return _applied if _applied is not None else tune_host_memory()
 
 
 def host_tuning_line() -> str:

@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any, Iterable
 
-from ..base.hostmem import tune_host_memory
+from ..base.hostmem import tune_unless_decided
 from ..comm.procsets import ProcessGroup, Topology, registry, topology
 
 _LOCK = threading.RLock()
@@ -75,7 +75,7 @@ def init(comm: Any = None, process_sets: Iterable[ProcessSet] | None = None) -> 
         if comm is not None:
             raise ValueError("hvd.init(comm=...) is not supported by hpctrain.horovod: it runs over COMM_WORLD; "
                              "use process sets (hvd.add_process_set) for subsets of ranks")
-        tune_host_memory()
+        tune_unless_decided()
         STATE.topology = topology()
         _size_threads()
         STATE.registry = registry()

@@ -149,6 +149,7 @@ def test_init_tunes_and_warns_when_torch_allocated_before_the_tuning(module: str
     # tuned first, as at a script's top: nothing to say
     assert run("import hpctrain\nhpctrain.tune_host_memory()\n") == "[] set()"
     assert run("", HPCTRAIN_HOST_TUNING="0") == "[] set()"  # opted out: nothing asked, nothing missed
+    assert run("import hpctrain\nhpctrain.tune_host_memory(False)\n") == "[] set()"  # the script's choice stands
 
 
 def test_the_opt_out_takes_the_usual_spellings() -> None:
