@@ -25,7 +25,7 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 
 
 def worker(zero: int, blocks: int, steps: int) -> None:
-    import hpctrain  # before the model: torch then takes the huge pages hpctrain asks for
+    import hpctrain  # init() before the model: torch then takes the huge pages hpctrain asks for
     import torch
 
     ctx = hpctrain.init(threads=1)

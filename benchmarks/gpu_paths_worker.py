@@ -47,6 +47,7 @@ from hpctrain.control.lm import flops_and_peak  # noqa: E402
 from hpctrain.control.precision import LossScaler  # noqa: E402
 from hpctrain.base.sections import CommConfig, OptimizerConfig, ZeroConfig  # noqa: E402
 from hpctrain.control.step import make_optimizer, make_sync, param_sha256, train_step  # noqa: E402
+from hpctrain.control.update import StepSetup  # noqa: E402
 from hpctrain.control.trainer import train  # noqa: E402
 from hpctrain.data.sharding import shard  # noqa: E402
 
@@ -132,7 +133,8 @@ def run_steps(ctx: Ctx, model: Any, sync: Any, opt: Any, count: int, *, fixed: b
     for step in range(count):
         x, y = batch(ctx, 0 if fixed else step)
         n = len(y) * ctx.comm.size
-        loss = train_step(model, sync, opt, loss_fn, x, y, n, device=ctx.device, accumulate=accumulate)
+        loss = train_step(StepSetup(model=model, sync=sync, optimizer=opt, loss_fn=loss_fn, device=ctx.device,
+                                    accumulate=accumulate), x, y, n)
         losses.append(float(ctx.comm.allreduce_array([loss])[0]) / n)
     return losses
 

@@ -103,8 +103,10 @@ def _timed(step, batches: list, steps: int) -> tuple[float, float]:
 def worker(kind: str, steps: int) -> None:
     """One rank of a measured loop; rank 0 prints {"step_ms": the slowest rank's mean, "median_step_ms": the
     slowest rank's median, ...} as JSON."""
-    if kind == "api":  # imported before the model is built, as at a script's top: torch then takes the huge
-        import hpctrain  # noqa: F401  pages hpctrain asks for (hpctrain/base/hostmem.py)
+    if kind == "api":  # tuned before the model is built, as at a script's top: torch then takes the huge pages
+        import hpctrain  # hpctrain asks for (hpctrain/base/hostmem.py)
+
+        hpctrain.tune_host_memory()
     import torch
 
     torch.set_num_threads(_threads())

@@ -74,6 +74,7 @@ def worker(blocks: int, steps: int) -> None:
     from hpctrain.comm import world
     from hpctrain.compute.models import build_model
     from hpctrain.control.step import auto_overlap, make_sync, train_step
+    from hpctrain.control.update import StepSetup
     from hpctrain.trace.spans import TRACER
 
     comm, env = world(), read_env()
@@ -86,7 +87,7 @@ def worker(blocks: int, steps: int) -> None:
     cfg = TrainConfig(data=".", run_dir=".", optimizer="sgd", lr=0.01)  # what `train` builds for these flags
     sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
                           auto_overlap(env, "cpu"))
-    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    setup = StepSetup(model=model, sync=sync, optimizer=opt, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"))
     counter = {"step": 0}
 
     def step() -> float:
@@ -94,7 +95,7 @@ def worker(blocks: int, steps: int) -> None:
         t0 = time.perf_counter()
         if TRACER.window is not None:
             TRACER.begin_step(i)
-        train_step(model, sync, opt, loss_fn, xs[i % 8], ys[i % 8], 64 * comm.size)
+        train_step(setup, xs[i % 8], ys[i % 8], 64 * comm.size)
         comm.allreduce_array([0.0, 0.0, 0.0, 0.0], op="max")  # the checkpoint policy's agreement, every step
         return time.perf_counter() - t0
 
@@ -129,6 +130,7 @@ def split_worker(args: argparse.Namespace) -> None:
     from hpctrain.comm import world
     from hpctrain.control import hybrid
     from hpctrain.control.step import make_sync
+    from hpctrain.control.update import StepSetup
     from hpctrain.parallel.layout import check_layout
     from hpctrain.parallel.stages import model_limits
     from hpctrain.bench.train import workload
@@ -146,13 +148,13 @@ def split_worker(args: argparse.Namespace) -> None:
     stage = par.model(model)
     sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), stage,
                           par.data, False, alone=par.tied)
-    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    setup = StepSetup(model=stage, sync=sync, optimizer=opt, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"))
     counter = {"step": 0, "records": 0}
 
     def step() -> float:
         i = counter["step"] = counter["step"] + 1
         t0, entered = time.perf_counter(), RECORDER.entered
-        par.step(stage, sync, opt, loss_fn, xs[i % 8], ys[i % 8], ys[0].size)
+        par.step(setup, xs[i % 8], ys[i % 8], ys[0].size)
         counter["records"] = RECORDER.entered - entered or counter["records"]
         return time.perf_counter() - t0
 

@@ -1,25 +1,24 @@
 """hpctrain: data-parallel PyTorch training over MPI on Slurm supercomputers.
 
-Importing this package is cheap: it neither imports torch nor initializes MPI. The library API
-(`init`, `broadcast_parameters`, `broadcast_optimizer_state`, `DistributedOptimizer`, `ShardLoader`,
-`Checkpointer`, `Timeline`, `ranks_in_sync`) loads on first use; see `hpctrain.api`.
-
-The import asks torch for huge pages under large CPU tensors (`base.hostmem.prefer_huge_pages`): torch reads that
-setting at its first allocation, so it is set here, before a model exists; MPI then moves gradients between the
-ranks of a node at the speed it moves numpy arrays.
+Importing this package is cheap and changes nothing process-wide: it neither imports torch, nor initializes
+MPI, nor sets an environment variable or an allocator option. The library API (`init`, `broadcast_parameters`,
+`broadcast_optimizer_state`, `DistributedOptimizer`, `ShardLoader`, `Checkpointer`, `Timeline`, `ranks_in_sync`)
+loads on first use; see `hpctrain.api`. `tune_host_memory` tunes the process's host memory for training
+(`base.hostmem`): `init()` calls it, and a script that builds its model before `init()` calls it first.
 """
-
-from .base.hostmem import prefer_huge_pages
 
 __version__ = "0.1.0"
 
-prefer_huge_pages()
-
+_HOSTMEM = ("tune_host_memory",)
 _API = ("Context", "init", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
         "ShardLoader", "Checkpointer", "Timeline", "param_hash", "ranks_in_sync")
 
 
 def __getattr__(name: str):
+    if name in _HOSTMEM:
+        from .base import hostmem
+
+        return getattr(hostmem, name)
     if name in _API:
         from . import api
 
@@ -28,4 +27,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_API])
+    return sorted([*globals(), *_HOSTMEM, *_API])

@@ -46,7 +46,7 @@ from .data import staging
 from .data.position import Cursor, Position
 from .data.reader import ShardReader
 from .data.shardformat import load_manifest
-from .base.hostmem import warn_if_huge_pages_missed
+from .base.hostmem import tune_unless_decided
 from .base.rankenv import RankEnv, read_env, select_device
 from .base.errors import CheckpointError, ConfigError, HpctrainError
 from .base.stop import FLAG as STOP
@@ -69,11 +69,12 @@ class Context:
 
 
 def init(*, threads: int | None = None) -> Context:
-    """Start MPI (one rank without a launcher), size torch's thread pool to the CPUs this rank owns and pick
-    its device (one GPU per local rank when GPUs are visible, else the CPU). Safe to call twice. Rank 0 warns
-    when torch allocated before `import hpctrain` and so missed its huge pages (`base.hostmem`)."""
+    """Tune host memory (`hpctrain.tune_host_memory`: rank 0 warns when it came too late), start MPI (one rank
+    without a launcher), size torch's thread pool to the CPUs this rank owns and pick its device (one GPU per local
+    rank when GPUs are visible, else the CPU). Safe to call twice."""
     global _CONTEXT
     if _CONTEXT is None:
+        tune_unless_decided()
         env = read_env()
         comm = world()
         torch.set_num_threads(threads or env.torch_threads())
@@ -81,7 +82,6 @@ def init(*, threads: int | None = None) -> Context:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _CONTEXT = Context(comm.rank, comm.size, env.local_rank, device, comm, env)
-        warn_if_huge_pages_missed(comm.rank)
     return _CONTEXT
 
 

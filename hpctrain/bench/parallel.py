@@ -71,6 +71,7 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
     from ..base.sections import CommConfig, OptimizerConfig, ParallelConfig, ZeroConfig
     from ..control import hybrid
     from ..control.step import auto_overlap, make_sync
+    from ..control.update import StepSetup
     from ..parallel.layout import check_layout
     from ..parallel.pipeline import expected_bubble
     from ..parallel.stages import model_limits
@@ -94,7 +95,7 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
     del model
     sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), stage,
                           par.data, overlap if overlap is not None else auto_overlap("cpu"), alone=par.tied)
-    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    setup = StepSetup(model=stage, sync=sync, optimizer=opt, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"))
     targets = ys[0].size * layout.data
     phases: dict[str, float] = {}
     idle: list[float] = []
@@ -102,7 +103,7 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
 
     def step(record: bool = False) -> None:
         i = state["i"] = (state["i"] + 1) % len(xs)
-        par.step(stage, sync, opt, loss_fn, xs[i], ys[i], targets, phases=phases if record else None)
+        par.step(setup, xs[i], ys[i], targets, phases=phases if record else None)
         if record and par.pipeline is not None:
             t = par.pipeline.timing
             idle.append(1.0 - t.busy / t.wall if t.wall else 0.0)

@@ -115,17 +115,16 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
     comm_times: list[float] = []
 
     def stepper(stage: int, times: list[float] | None = None) -> tuple[Callable[[], None], Any, Any, Any]:
-        model = fresh_model().to(device)
-        sync, opt = _sync_and_optimizer(model, comm, stage, optimizer, bucket_mb=bucket_mb, overlap=overlap,
-                                        compress=compress)
+        setup = _step_setup(fresh_model().to(device), comm, stage, optimizer, loss_fn, device, bucket_mb=bucket_mb,
+                            overlap=overlap, compress=compress)
 
         def step(phases: dict[str, float] | None = None) -> None:
             x, y = next(batches)
-            train_step(model, sync, opt, loss_fn, x, y, global_n, device=device, phases=phases)
+            train_step(setup, x, y, global_n, phases=phases)
             if times is not None:
-                times.append(sync.comm_seconds)
+                times.append(setup.sync.comm_seconds)
 
-        return step, model, sync, opt
+        return step, setup.model, setup.sync, setup.optimizer
 
     hp_step, model, sync, opt = stepper(zero, comm_times)
     params = sum(p.numel() for p in model.parameters())
@@ -214,6 +213,7 @@ def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs:
     """The sync of all gradients beside one raw allreduce, the step of one rank alone, and hpctrain's step
     with every rank its own world at once (closes `sync`)."""
     from ..control.step import train_step
+    from ..control.update import StepSetup
 
     out: dict[str, Any] = {}
     if comm.size > 1:
@@ -221,7 +221,8 @@ def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs:
     sync.close()
 
     def solo_step(solo: GradSync) -> None:
-        train_step(model, solo, opt, loss_fn, xs[0], ys[0], ys[0].size, device=device)
+        train_step(StepSetup(model=model, sync=solo, optimizer=opt, loss_fn=loss_fn, device=device), xs[0], ys[0],
+                   ys[0].size)
 
     one_ms = _one_rank_alone_ms(comm, model, solo_step, bucket_mb=bucket_mb, steps=steps, rounds=rounds)
     out["single_rank_step_ms"] = one_ms
@@ -231,16 +232,20 @@ def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs:
     return out
 
 
-def _sync_and_optimizer(model: Any, comm: Comm, zero: int, optimizer: str, **sync_args: Any) -> tuple[Any, Any]:
-    """The gradient sync and optimizer `hpctrain train` builds for `--zero`, `--optimizer` (lr 0.01)."""
+def _step_setup(model: Any, comm: Comm, zero: int, optimizer: str, loss_fn: Any, device: Any,
+                **sync_args: Any) -> Any:
+    """The step of `model` with the gradient sync and optimizer `hpctrain train` builds for `--zero`, `--optimizer`
+    (lr 0.01)."""
     from ..base.config import TrainConfig
     from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
     from ..control.step import make_sync
+    from ..control.update import StepSetup
 
     cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer, lr=0.01, zero=zero,
                       bucket_mb=sync_args["bucket_mb"], grad_compression=sync_args["compress"])
-    return make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
-                     sync_args["overlap"])
+    sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
+                          sync_args["overlap"])
+    return StepSetup(model=model, sync=sync, optimizer=opt, loss_fn=loss_fn, device=device)
 
 
 def _memory(comm: Comm, model: Any, sync: Any, opt: Any) -> dict[str, float]:

@@ -36,11 +36,13 @@ def _relaunch(n: int) -> None:
         raise typer.Exit(launch(n, cleaned))
 
 
-def _exit_budget(collective_timeout: float) -> None:
-    """As train: the process is gone within the edge budget after the benchmark, even if MPI_Finalize waits
-    for a rank that is stuck."""
+def _as_train(collective_timeout: float) -> None:
+    """As train: host memory tuned before torch's first allocation (the step measured is train's), and the process
+    gone within the edge budget after the benchmark, even if MPI_Finalize waits for a rank that is stuck."""
+    from ..base.hostmem import tune_host_memory
     from ..base.stop import FLAG, edge_budget
 
+    tune_host_memory()
     FLAG.exit_budget = edge_budget(collective_timeout)
 
 
@@ -58,10 +60,10 @@ def allreduce(
     Example: hpctrain bench allreduce -n 2 --sizes 4K,1M,16M --json
     """
     _relaunch(n)
+    _as_train(collective_timeout)
     from ..bench.train import bench_allreduce, parse_size
     from ..bench.watch import watched
 
-    _exit_budget(collective_timeout)
     with watched(collective_timeout) as comm:
         result = bench_allreduce(comm, [parse_size(s) for s in sizes.split(",") if s.strip()], bucket_mb=bucket_mb)
     if not is_rank0():
@@ -137,10 +139,10 @@ def train(
     if tp * pp > 1 and device != "cpu":
         raise ConfigError("bench train --tp/--pp measures on the CPU for now: drop --device cuda")
     _relaunch(n)
+    _as_train(collective_timeout)
     from ..bench.train import bench_train
     from ..bench.watch import watched
 
-    _exit_budget(collective_timeout)
     if tp * pp > 1:
         _train_split(collective_timeout, json_out, model_spec=model, tp=tp, pp=pp, micro_batches=micro_batches,
                      schedule=pipeline_schedule, batch_size=batch_size, steps=steps, rounds=rounds, input_dim=input_dim,
@@ -252,12 +254,12 @@ def data(
     Example: hpctrain bench data data/ -n 2 --epochs 6 --json
     """
     _relaunch(n)
+    _as_train(collective_timeout)
     from ..bench.data import bench_data
     from ..bench.watch import watched
     from ..comm import Comm, world
     from ..base.rankenv import read_env
 
-    _exit_budget(collective_timeout)
     with watched(collective_timeout, world if read_env().under_launcher else lambda: Comm(None)) as comm:
         result = bench_data(comm, directory, batch_size=batch_size, epochs=epochs, shuffle=shuffle)
     if not is_rank0():

@@ -93,7 +93,10 @@ def train(
     """
     take_renamed(ctx, values, TRAIN_RENAMED)
     cfg = build_config(ctx, values, config)
+    from ..base.hostmem import tune_host_memory
     from ..base.stop import FLAG, edge_budget
+
+    tune_host_memory()  # before torch's first allocation, which the trainer's import is the start of
     from ..control.trainer import train as run
 
     FLAG.exit_budget = edge_budget(cfg.collective_timeout)  # what is left after the run: MPI_Finalize waits for every rank

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..base.config import ZERO_REDUCERS, parse_grad_compression
 from ..base.errors import CommError, ConfigError
-from ..base.hostmem import give_back_freed_memory, reuse_freed_memory
+from ..base.hostmem import give_back_freed_memory
 from ..base.threads import join_logged
 from ..trace.flight import RECORDER
 from . import compress as compression
@@ -91,7 +91,6 @@ class GradSync:
         alone = list(alone)
         refuse(stage, compress, hierarchical, reduce, module, alone)
         kind, _ = parse_grad_compression(compress)
-        reuse_freed_memory()  # zero() drops the gradients every step: their memory is kept for the next
         self.comm, self.stage = comm, stage
         self.buffers = buffer_slots(module)  # rank 0's after every step (`buffers.py`)
         self.compress = kind  # none, fp16 or bf16 on the wire; powersgd and topk: `compressor`

@@ -36,8 +36,10 @@ from ..parallel.pipeline import Pipeline
 from ..parallel.stages import build_stage, model_limits, put, shares
 from ..trace.spans import TRACER
 from ..checkpoint.modelfile import ModelFile
-from .precision import LossScaler, autocast
+from .precision import autocast
 from .step import evaluate, param_sha256, train_step
+from .update import StepSetup
+from .watchdog import waiting
 
 
 @dataclass(slots=True)
@@ -93,17 +95,16 @@ class Parallel:
     def tied(self) -> list[Any]:
         return self.pipeline.stage.tied if self.pipeline is not None else []
 
-    def step(self, model: Any, sync: Any, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray, global_n: int,
-             *, clip_grad: float = 0.0, device: Any = "cpu", accumulate: int = 1, precision: str = "fp32",
-             scaler: LossScaler | None = None, step: int = 0, phases: dict[str, float] | None = None) -> float:
-        """One optimizer step (see the module docstring); this rank's reported summed loss."""
+    def step(self, setup: StepSetup, x: np.ndarray, y: np.ndarray, global_n: int, *, step: int = 0,
+             phases: dict[str, float] | None = None) -> float:
+        """One optimizer step of `setup` (see the module docstring); this rank's reported summed loss. The update
+        (fp16's loss scale, clipping, the optimizer step) is `StepSetup.update`'s, as in the plain step."""
         if self.pipeline is None:
-            return train_step(model, sync, optimizer, loss_fn, x, y, global_n, clip_grad=clip_grad, device=device,
-                              accumulate=accumulate, precision=precision, scaler=scaler, phases=phases)
+            return train_step(setup, x, y, global_n, phases=phases)
+        sync = setup.sync
         sync.zero()
-        scale = scaler.scale if scaler is not None else 1.0
-        sync.loss_scale = scaler.scale if scaler is not None else None
-        bounds = np.linspace(0, len(y), self.micro * accumulate + 1).astype(int).tolist()
+        scale = setup.loss_scale()
+        bounds = np.linspace(0, len(y), self.micro * setup.accumulate + 1).astype(int).tolist()
         sync.enabled = False
         loss = self.pipeline.step(x, y, bounds, scale / global_n, step=step,
                                   last_backward=lambda: setattr(sync, "enabled", True))
@@ -113,11 +114,7 @@ class Parallel:
         for param in self.tied:  # the embedding's gradient on the first stage plus the head's on the last
             allreduce_(self.groups.tie, sync.reduced(param), label="tied gradient sum")
         t1 = time.perf_counter()
-        stepped = scaler is None or scaler.unscale(sync.grad_tensors(), self.world)
-        if stepped:
-            if clip_grad:
-                self._clip(sync, optimizer, clip_grad)
-            optimizer.step()
+        setup.update(self.world, lambda max_norm: self._clip(sync, setup.optimizer, max_norm))
         t2 = time.perf_counter()
         TRACER.span("wait", t0, t1)  # the data-parallel group's gradient sum (and the tied one's) still on the wire
         TRACER.span("optimizer", t1, t2)
@@ -171,11 +168,8 @@ class Parallel:
                     loss_sum, correct, n = loss_sum + loss, correct + hits, n + y.numel()
         stage.train()
         TRACER.span("validation", started, time.perf_counter())
-        if watchdog is not None:
-            watchdog.phase("validation reduction", step)
-        loss_sum, correct, n = self.world.allreduce_array([loss_sum, correct, n])
-        if watchdog is not None:
-            watchdog.idle()
+        with waiting(watchdog, "validation reduction", step):
+            loss_sum, correct, n = self.world.allreduce_array([loss_sum, correct, n])
         return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}
 
     def whole_state(self, model: Any) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from typing import Any
 from ..comm.wire import torch_dtype
 from ..compute.models import build_model
 from ..data.shardformat import ShardSet
+from .watchdog import waiting
 
 
 def build(spec: str, shardset: ShardSet) -> Any:
@@ -98,22 +99,10 @@ def flops_and_peak(model: Any, seq_len: int, comm: Any, device: Any, precision: 
         fpt = model_flops_per_token(model, seq_len)
     else:  # a user's model: 6 N, its attention unseen
         fpt = 6 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    _wait(watchdog, "start-up: the ranks meet to measure their peak FLOP/s together (language models)")
-    comm.barrier()
-    _wait(watchdog, None)
+    with waiting(watchdog, "start-up: the ranks meet to measure their peak FLOP/s together (language models)"):
+        comm.barrier()
     mine = measure_peak_flops(device, dtype=torch_dtype(precision), seconds=0.3)
-    _wait(watchdog, "start-up: summing the ranks' peak FLOP/s (no budget: a slow measurement is load, not a hang)",
-          budget=0)
-    peak = float(comm.allreduce_array([mine])[0])
-    _wait(watchdog, None)
+    with waiting(watchdog, "start-up: summing the ranks' peak FLOP/s (no budget: a slow measurement is load, not a "
+                 "hang)", budget=0):
+        peak = float(comm.allreduce_array([mine])[0])
     return float(fpt), peak
-
-
-def _wait(watchdog: Any, name: str | None, budget: float | None = None) -> None:
-    """Enter the wait `name` on the other ranks (None: leave it), where a watchdog watches."""
-    if watchdog is None:
-        return
-    if name is None:
-        watchdog.idle()
-    else:
-        watchdog.phase(name, budget=budget)

@@ -48,9 +48,8 @@ def start_point(comm: Comm, shardset: ShardSet, path: Path | None, watchdog: Wat
     counted in data-parallel ranks (`data_ranks`: the readers' world) of `batch` samples each."""
     if path is None:
         return Start()
-    watchdog.phase("opening the checkpoint", 0, budget=budget if comm.rank else None)
-    state = open_checkpoint(path, comm, verified=True)
-    watchdog.idle()
+    with watchdog.waiting("opening the checkpoint", 0, budget=budget if comm.rank else None):
+        state = open_checkpoint(path, comm, verified=True)
     meta = state.meta
     if meta["data_fingerprint"] != shardset.fingerprint:
         comm.agree(CheckpointError(

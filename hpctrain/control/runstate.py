@@ -36,7 +36,20 @@ class Start:
     state: Loaded | None = None  # the checkpoint, opened (its tensors are read by `resume.restore`)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
+class Inputs:
+    """What the start-up checks found and every rank agreed on (`trainer._check_inputs`)."""
+
+    shardset: ShardSet
+    model: Any  # built on every rank from the seed; rank 0's weights replace it next
+    device: Any
+    resume_path: Path | None  # the checkpoint to resume from, verified by rank 0; None: a fresh start
+    warnings: list[str]  # for the run's log, once it exists
+    plan: staging.StagePlan | None  # --stage-to: what this rank copies where
+    layout: Any  # the (D, T, P) layout of the ranks (--tp, --pp)
+
+
+@dataclass(slots=True, kw_only=True)
 class Run:
     """What one rank's run is made of, built once by `_build`."""
 

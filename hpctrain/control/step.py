@@ -20,8 +20,9 @@ from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..trace.spans import TRACER
 from ..checkpoint.modelfile import byte_chunks
-from .precision import LossScaler, autocast
-from .watchdog import Watchdog
+from .precision import autocast
+from .update import StepSetup
+from .watchdog import Watchdog, waiting
 
 
 def param_sha256(model: Any, sync: Any = None, keep: bool = False,
@@ -57,29 +58,28 @@ def auto_overlap(device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.ndarray, y: np.ndarray,
-               global_n: int, *, clip_grad: float = 0.0, device: Any = "cpu", accumulate: int = 1,
-               precision: str = "fp32", scaler: LossScaler | None = None,
+def train_step(setup: StepSetup, x: np.ndarray, y: np.ndarray, global_n: int, *,
                phases: dict[str, float] | None = None) -> float:
-    """One data-parallel step; returns this rank's summed loss.
+    """One data-parallel step of `setup`'s model; returns this rank's summed loss.
 
     The loss is this rank's sum of per-target losses (one per sample; one per token of a token row) divided
     by the step's global target count `global_n`, so the summed allreduce leaves in every `.grad` the mean
     gradient over all targets of the step. A rank whose batch is empty still joins the allreduce (with
     zeros), so uneven data never hangs. With `accumulate` K > 1 the batch runs as K micro-batches and only
-    the last one's backward starts the allreduce. `precision` autocasts forward and backward; with a
-    `scaler` (fp16) the loss is scaled, and a step that any rank finds inf/NaN in is skipped on every rank.
+    the last one's backward starts the allreduce. `precision` autocasts forward and backward; the update
+    (fp16's loss scale, clipping, the optimizer step) is `StepSetup.update`'s, as in a split run's step.
     `phases`, when given, accumulates seconds per phase: zero, forward, backward, hooks (inside backward),
     wait, optimizer (what `hpctrain bench train` breaks a step into).
     """
     import torch
 
+    model, sync, loss_fn, device, precision = setup.model, setup.sync, setup.loss_fn, setup.device, setup.precision
     clock = _Clock(phases, sync)
     sync.zero()
     clock.lap("zero")
     loss_value = 0.0
-    scale = scaler.scale if scaler is not None else 1.0
-    sync.loss_scale = scaler.scale if scaler is not None else None  # what the summed gradients carry
+    scale = setup.loss_scale()
+    accumulate = setup.accumulate
     bounds = np.linspace(0, len(y), accumulate + 1).astype(int) if accumulate > 1 else (0, len(y))
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
@@ -102,17 +102,11 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     sync.enabled = True
     sync.wait()
     clock.lap("wait")
-    if scaler is not None and not scaler.unscale(sync.grad_tensors(), sync.comm):
-        clock.done()
-        return loss_value  # an inf or NaN on some rank: every rank skips this step
-    if clip_grad:
-        clip = getattr(optimizer, "clip_grad_norm_", None)  # a sharded optimizer clips its slices
-        if clip is not None:
-            clip(clip_grad)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    optimizer.step()
-    clock.lap("optimizer")
+    # a sharded optimizer clips its slices; otherwise torch clips the whole model, which every rank holds
+    clip = getattr(setup.optimizer, "clip_grad_norm_", None) or (
+        lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    if setup.update(sync.comm, clip):  # not after an inf or NaN on some rank: every rank skips this step
+        clock.lap("optimizer")
     clock.done()
     return loss_value
 
@@ -257,9 +251,6 @@ def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog 
             n += y.numel()
     model.train()
     TRACER.span("validation", started, time.perf_counter())
-    if watchdog is not None:
-        watchdog.phase("validation reduction", step)
-    loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])
-    if watchdog is not None:
-        watchdog.idle()
+    with waiting(watchdog, "validation reduction", step):
+        loss_sum, correct, n = comm.allreduce_array([loss_sum, correct, n])
     return {"val_loss": loss_sum / max(n, 1.0), "val_accuracy": correct / max(n, 1.0)}

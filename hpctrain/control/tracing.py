@@ -24,6 +24,7 @@ from ..comm.clocks import clock_offsets
 from ..trace.chrome import merge
 from ..trace.flight import RECORDER
 from ..trace.spans import TRACER
+from .watchdog import waiting
 
 
 def straggler_delay(hook: str | None, rank: int) -> float:
@@ -146,11 +147,8 @@ class Timeline:
 
     def _clock(self, which: str) -> None:
         """Measure this rank's clock against rank 0's (collective): `offset`, `error` and `at`, suffixed."""
-        if self.watchdog is not None:
-            self.watchdog.phase("clock alignment (--trace)")
-        measured = clock_offsets(self.comm)
-        if self.watchdog is not None:
-            self.watchdog.idle()
+        with waiting(self.watchdog, "clock alignment (--trace)"):
+            measured = clock_offsets(self.comm)
         TRACER.clock.update({k + which: v for k, v in measured.items()})
 
     def close(self) -> dict[str, Any]:
@@ -170,11 +168,8 @@ class Timeline:
         except OSError as exc:
             error = HpctrainError(f"rank {self.comm.rank}: cannot write its timeline {self.path}: {exc}")
         self._forget()
-        if self.watchdog is not None:
-            self.watchdog.phase("timeline files (--trace)")
-        self.comm.agree(error)
-        if self.watchdog is not None:
-            self.watchdog.idle()
+        with waiting(self.watchdog, "timeline files (--trace)"):
+            self.comm.agree(error)
         return merge(self.run_dir) if self.comm.rank == 0 else {}
 
     def abandon(self) -> None:

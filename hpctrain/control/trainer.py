@@ -34,6 +34,7 @@ from ..data import staging
 from ..data.reader import ShardReader
 from ..data.shardformat import ShardSet, load_manifest
 from ..base.durable import write_failure, write_text
+from ..base.hostmem import host_tuning_line
 from ..base.rankenv import RankEnv, read_env, select_device
 from ..base.errors import ConfigError, HpctrainError
 from .runlog import RunLog
@@ -42,8 +43,9 @@ from ..base.stop import STOP_EXIT, cancel_deadline, deadline, edge_budget
 from ..data.position import Cursor
 from .precision import LossScaler
 from .step import auto_overlap, lr_factor, make_sync
-from .runstate import Outcome, Run
+from .runstate import Inputs, Outcome, Run
 from .tracing import Timeline
+from .update import StepSetup
 from .watchdog import Watchdog, end_job
 
 
@@ -116,24 +118,25 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
                                             abort=comm.abort).start())
     watchdog.at_edge(edge_budget(cfg.collective_timeout))  # start-up, until the first step is done
     cancel_deadline()  # MPI is up and the watchdog watches from here
-    shardset, model, device, resume_path, warnings, plan, layout = _check_inputs(cfg, comm, env, watchdog)
-    log = _open_run_dir(cfg, comm, env, device, watchdog, stack, warnings)
+    inputs = _check_inputs(cfg, comm, env, watchdog)
+    shardset, model, device = inputs.shardset, inputs.model, inputs.device  # the shards staged, the model split below
+    log = _open_run_dir(cfg, comm, env, device, watchdog, stack, inputs.warnings)
     timeline = Timeline(cfg.run_dir, cfg.trace, comm, env=env, watchdog=watchdog)  # --trace, and the test hooks
     stack.callback(timeline.abandon)
     staged = staging.Staged()
-    if plan is not None:  # --stage-to: this rank's files copied to node-local disk, read there, removed on any exit
-        watchdog.phase("staging the shards (every rank copies its own)", 0, budget=cfg.checkpoint_timeout)
-        shardset, staged = staging.stage(plan, shardset, comm, keep=cfg.keep_staged, on_exit=stack.callback, log=log.info)
-        watchdog.idle()
+    if inputs.plan is not None:  # --stage-to: this rank's files copied to node-local disk, read there, removed on exit
+        with watchdog.waiting("staging the shards (every rank copies its own)", 0, budget=cfg.checkpoint_timeout):
+            shardset, staged = staging.stage(inputs.plan, shardset, comm, keep=cfg.keep_staged, on_exit=stack.callback,
+                                             log=log.info)
     _share_initial_weights(cfg, comm, model, device, watchdog)
-    watchdog.phase("start-up: splitting the model over the ranks (--tp/--pp)", 0)
-    par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device=device, precision=cfg.precision,
-                       batch_rows=cfg.batch_size * cfg.accumulate, row=hybrid.sample_row(shardset), seed=cfg.seed,
-                       watchdog=watchdog)
-    watchdog.idle()
+    with watchdog.waiting("start-up: splitting the model over the ranks (--tp/--pp)", 0):
+        par = hybrid.split(cfg.section(ParallelConfig), comm, inputs.layout, model, device=device,
+                           precision=cfg.precision, batch_rows=cfg.batch_size * cfg.accumulate,
+                           row=hybrid.sample_row(shardset), seed=cfg.seed, watchdog=watchdog)
     model = par.model(model)  # a split run keeps its stage only: the whole model is freed here
-    start = resume.start_point(comm, shardset, resume_path, watchdog, data=cfg.data, budget=cfg.checkpoint_timeout,
-                               data_ranks=par.data.size, batch=cfg.batch_size * cfg.accumulate)
+    start = resume.start_point(comm, shardset, inputs.resume_path, watchdog, data=cfg.data,
+                               budget=cfg.checkpoint_timeout, data_ranks=par.data.size,
+                               batch=cfg.batch_size * cfg.accumulate)
     run = _build(cfg, comm, env, log, watchdog, shardset, model, device, start, stack, par)
     run.staged, run.timeline = staged, timeline
     timeline.warn_outside(start.step, run.total_steps, log)
@@ -144,19 +147,17 @@ def _train(cfg: TrainConfig, comm: Comm, env: RankEnv, stack: contextlib.ExitSta
     log.info("%s", memplan.line(planned) if run.plan is not None else planned)
     audit_lines = resume.restore(run) if start.state is not None else None
     runlog.prepare(cfg.run_dir, cfg.audit_samples, comm.rank, start.step, audit_lines)
-    watchdog.phase("start-up agreement", start.step)
-    _agree_at_start_up(comm, None, start.step)
-    watchdog.idle()
+    with watchdog.waiting("start-up agreement", start.step):
+        _agree_at_start_up(comm, None, start.step)
     sink = RunLog(cfg.run_dir, cfg.section(LoggingConfig), cfg.audit_samples, comm.rank, log, stack,
                   total_steps=run.total_steps, step=start.step, rates=run.rates)
     outcome = _loop(run, sink)
     return _finish(run, sink, outcome)
 
 
-def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog) -> tuple[Any, ...]:
+def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog) -> Inputs:
     """Check everything before anything is written, on every rank, and agree; then rank 0 alone finds and
-    verifies the checkpoint to resume from (checksums read every byte). (shardset, model, device, path, warnings, plan,
-    layout)"""
+    verifies the checkpoint to resume from (checksums read every byte)."""
     import torch
 
     error: HpctrainError | None = None
@@ -181,21 +182,22 @@ def _check_inputs(cfg: TrainConfig, comm: Comm, env: RankEnv, watchdog: Watchdog
         layout = hybrid.layout_for(cfg.section(ParallelConfig), comm.size, model, cfg.model, shardset)
     except HpctrainError as exc:
         error = exc
-    watchdog.phase("start-up checks", 0)
-    _agree_at_start_up(comm, error, 0)
-    if plan is not None:  # --stage-to: room in DIR for what every rank of the node that stages there copies
-        comm.agree(staging.space_error(plan, comm))
-    if comm.rank == 0:
-        try:
-            resume_path = resume.resolve(cfg.resume, cfg.run_dir, warnings.append)
-        except HpctrainError as exc:
-            error = exc
+    with watchdog.waiting("start-up checks", 0):
+        _agree_at_start_up(comm, error, 0)
+        if plan is not None:  # --stage-to: room in DIR for what every rank of the node that stages there copies
+            comm.agree(staging.space_error(plan, comm))
+        if comm.rank == 0:
+            try:
+                resume_path = resume.resolve(cfg.resume, cfg.run_dir, warnings.append)
+            except HpctrainError as exc:
+                error = exc
     # the others wait for rank 0's own work (hashing every byte): the checkpoint budget; rank 0 waits for nobody
-    watchdog.phase("start-up: rank 0 verifies the checkpoint", 0, budget=cfg.checkpoint_timeout if comm.rank else None)
-    comm.agree(error if comm.rank == 0 else None)
-    resume_path = comm.bcast(resume_path)
-    watchdog.idle()
-    return shardset, model, device, resume_path, warnings, plan, layout
+    with watchdog.waiting("start-up: rank 0 verifies the checkpoint", 0,
+                          budget=cfg.checkpoint_timeout if comm.rank else None):
+        comm.agree(error if comm.rank == 0 else None)
+        resume_path = comm.bcast(resume_path)
+    return Inputs(shardset=shardset, model=model, device=device, resume_path=resume_path, warnings=warnings, plan=plan,
+                  layout=layout)
 
 
 def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watchdog: Watchdog,
@@ -214,6 +216,7 @@ def _open_run_dir(cfg: TrainConfig, comm: Comm, env: RankEnv, device: Any, watch
     log.info("world %d, rank %d, local rank %d, pid %d, host %s, launcher %s, device %s, torch threads %d",
              comm.size, comm.rank, env.local_rank, os.getpid(), socket.gethostname(), env.launcher, device,
              torch.get_num_threads())
+    log.info("%s", host_tuning_line())
     if comm.rank == 0:
         runlog.write_config(cfg.run_dir, cfg.to_sections())
     return log
@@ -229,13 +232,12 @@ def _share_initial_weights(cfg: TrainConfig, comm: Comm, model: Any, device: Any
             model.load_state_dict(torch.load(cfg.init_weights, map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = ConfigError(f"--init-weights {str(cfg.init_weights)!r} does not fit model {cfg.model!r}: {exc}")
-    watchdog.phase("start-up broadcast of the model", 0)
-    comm.agree(error if comm.rank == 0 else None)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        model.to(device)
-    comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
-    watchdog.idle()
+    with watchdog.waiting("start-up broadcast of the model", 0):
+        comm.agree(error if comm.rank == 0 else None)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            model.to(device)
+        comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
     torch.manual_seed(cfg.seed * 1_000_003 + comm.rank + 1)  # per-rank stream for dropout and the like
 
 
@@ -261,12 +263,12 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     if cfg.max_steps:
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(device.type)
-    watchdog.phase("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""), start.step)
-    kept = resume.kept_reducer(cfg.section(ZeroConfig), start.state, comm.size)
-    sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model,
-                                dp, overlap, reduce=kept, alone=par.tied)
-    stack.callback(sync.close)
-    watchdog.idle()
+    with watchdog.waiting("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""),
+                          start.step):
+        kept = resume.kept_reducer(cfg.section(ZeroConfig), start.state, comm.size)
+        sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig),
+                                    model, dp, overlap, reduce=kept, alone=par.tied)
+        stack.callback(sync.close)
     scheduler = torch.optim.lr_scheduler.LambdaLR(getattr(optimizer, "inner", optimizer),
                                                   lr_factor(cfg.schedule, total_steps, cfg.warmup))
     for note in sync.notes:
@@ -275,14 +277,16 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
         log.info("--zero-reduce auto: keeping %s, the reducer of the run the checkpoint is from", kept)
     log.info("gradient sync: %d bucket(s) of up to %.1f MiB, overlap %s, wire %s, zero stage %d", len(sync.buckets),
              cfg.bucket_mb, sync.overlap, cfg.grad_compression, cfg.zero)
-    watchdog.phase("start-up: checkpoint manager", start.step)
-    manager = ckpt.CheckpointManager(
-        cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
-        on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)", budget=cfg.checkpoint_timeout))
+    with watchdog.waiting("start-up: checkpoint manager", start.step):
+        manager = ckpt.CheckpointManager(
+            cfg.run_dir, comm, every=cfg.checkpoint_every, keep=cfg.keep, mtbf_hours=cfg.mtbf_hours, log=log.error,
+            on_write=lambda: watchdog.phase("checkpoint write (waiting for every rank's part)",
+                                            budget=cfg.checkpoint_timeout))
     rates = lm.rates(cfg.precision, shardset, model, comm, device, flops=par.flops_per_token, watchdog=watchdog)
-    return Run(cfg, comm, log, watchdog, shardset, model, device, start, cursor, val_reader, optimizer,
-               scheduler, sync, manager, torch.nn.CrossEntropyLoss(reduction="sum"), total_steps, rates,
-               LossScaler() if cfg.precision == "fp16" else None, par=par)
+    return Run(cfg=cfg, comm=comm, log=log, watchdog=watchdog, shardset=shardset, model=model, device=device,
+               start=start, cursor=cursor, val_reader=val_reader, optimizer=optimizer, scheduler=scheduler, sync=sync,
+               manager=manager, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"), total_steps=total_steps,
+               rates=rates, scaler=LossScaler() if cfg.precision == "fp16" else None, par=par)
 
 
 def _loop(run: Run, sink: RunLog) -> Outcome:
@@ -290,6 +294,8 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
     policy asks for, on a stop and at the last step."""
     cfg, comm, watchdog, start = run.cfg, run.comm, run.watchdog, run.start
     out, cursor = Outcome(step=start.step), run.cursor
+    setup = StepSetup(model=run.model, sync=run.sync, optimizer=run.optimizer, loss_fn=run.loss_fn, device=run.device,
+                      clip_grad=cfg.clip_grad, accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler)
     while out.step < run.total_steps:
         epoch = cursor.epoch
         run.model.train()
@@ -299,11 +305,8 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
             t0 = time.perf_counter()
             reader, index = cursor.current
             rows = int(reader.step_sizes(index).sum())
-            watchdog.phase("gradient allreduce", out.step + 1)
-            loss = run.par.step(run.model, run.sync, run.optimizer, run.loss_fn, batch.x, batch.y,
-                                rows * run.rates.targets, clip_grad=cfg.clip_grad, device=run.device,
-                                accumulate=cfg.accumulate, precision=cfg.precision, scaler=run.scaler, step=out.step + 1)
-            watchdog.idle()
+            with watchdog.waiting("gradient allreduce", out.step + 1):
+                loss = run.par.step(setup, batch.x, batch.y, rows * run.rates.targets, step=out.step + 1)
             if out.step == start.step:  # the first step is done: the steady state's deadline from here on
                 watchdog.at_edge(None)
             run.scheduler.step()
@@ -314,10 +317,9 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
             end_of_epoch, last = cursor.position.epoch > epoch, out.step >= run.total_steps
             if sink.due(out.step, end_of_epoch, last):
                 _log_window(run, sink, out, epoch, end_of_epoch)
-            watchdog.phase("stop/checkpoint agreement", out.step)
-            stopping = run.manager.save(out.step, lambda: resume.state(run, sink), stop_requested=STOP.requested,
-                                        final=last)
-            watchdog.idle()
+            with watchdog.waiting("stop/checkpoint agreement", out.step):
+                stopping = run.manager.save(out.step, lambda: resume.state(run, sink), stop_requested=STOP.requested,
+                                            final=last)
             if stopping:
                 out.stop_signal = STOP.signum or signal.SIGTERM
                 break
@@ -335,9 +337,8 @@ def _loop(run: Run, sink: RunLog) -> Outcome:
 def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: bool) -> None:
     """A logged step: the window's loss over all ranks; at an epoch's end validation and the epoch's loss."""
     comm, watchdog = run.comm, run.watchdog
-    watchdog.phase("metrics reduction", out.step)
-    loss_tot, n_tot = comm.allreduce_array([sink.window.loss, sink.window.n])
-    watchdog.idle()
+    with watchdog.waiting("metrics reduction", out.step):
+        loss_tot, n_tot = comm.allreduce_array([sink.window.loss, sink.window.n])
     ended = time.perf_counter()
     extra: dict[str, float] = {"wire_bytes_per_step": run.sync.wire_bytes}  # this rank's gradient payload
     if end_of_epoch and run.val_reader is not None:
@@ -351,9 +352,8 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
         out.paused += time.perf_counter() - started
         extra.update(out.last_val)
     if end_of_epoch:
-        watchdog.phase("epoch loss reduction", out.step)
-        e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
-        watchdog.idle()
+        with watchdog.waiting("epoch loss reduction", out.step):
+            e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
         extra["epoch_train_loss"] = e_loss / max(1.0, e_n)
         out.epoch_loss = out.epoch_n = 0.0
     sink.write(out.step, epoch, loss_tot, n_tot, run.scheduler.get_last_lr()[0], extra, ended=ended)
@@ -363,9 +363,8 @@ def _stopped(run: Run, step: int, name: str) -> None:
     """After the stop's checkpoint: record the stop (RUN/stopped.json, which says who asked and so whether to
     requeue) and raise StopRequested."""
     path = run.cfg.run_dir / "checkpoints" / ckpt.step_dir_name(step)
-    run.watchdog.phase("stop: who asked", step)
-    by = runlog.record_stop(run.comm, run.cfg.run_dir, step)
-    run.watchdog.idle()
+    with run.watchdog.waiting("stop: who asked", step):
+        by = runlog.record_stop(run.comm, run.cfg.run_dir, step)
     run.log.warning("stopped by %s at step %d (asked by the %s); checkpoint written", name, step, by)
     raise StopRequested(f"stopped by {name} at step {step}: checkpoint written to {path}; run the same command "
                         "to continue")
@@ -391,18 +390,17 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
                                         every_batch=cfg.zero == 3)
         out.last_val.update(run.rates.validation(out.last_val))
     traced = run.timeline.close()  # with --trace: RUN/trace.json and the straggler verdict (rank 0)
-    watchdog.phase("memory reductions", step)
-    memory = memplan.measured(run.sync, run.optimizer, comm, run.log.info)  # before the final model is written
-    unplanned = memplan.departure(run.plan, memory) if run.plan is not None else None
-    if unplanned:
-        run.log.warning("%s", unplanned)
-        if comm.rank == 0:
-            print(f"warning: {unplanned}", file=sys.stderr)
-    watchdog.phase("summary reductions; the final model (ZeRO 3 gathers it unit by unit)", step)
-    model_file, digest, in_sync = run.par.finish_state(run.model, run.sync, cfg.run_dir / "model.pt")
-    e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
-    final_loss = sink.last_epoch_loss(comm) if e_n == 0 else e_loss / e_n
-    watchdog.idle()
+    with watchdog.waiting("memory reductions", step):
+        memory = memplan.measured(run.sync, run.optimizer, comm, run.log.info)  # before the final model is written
+        unplanned = memplan.departure(run.plan, memory) if run.plan is not None else None
+        if unplanned:
+            run.log.warning("%s", unplanned)
+            if comm.rank == 0:
+                print(f"warning: {unplanned}", file=sys.stderr)
+    with watchdog.waiting("summary reductions; the final model (ZeRO 3 gathers it unit by unit)", step):
+        model_file, digest, in_sync = run.par.finish_state(run.model, run.sync, cfg.run_dir / "model.pt")
+        e_loss, e_n = comm.allreduce_array([out.epoch_loss, out.epoch_n])
+        final_loss = sink.last_epoch_loss(comm) if e_n == 0 else e_loss / e_n
     m = run.manager
     summary = {
         "world_size": comm.size, "epochs": run.cursor.position.epochs_begun(), "steps": step,

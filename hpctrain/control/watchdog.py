@@ -1,7 +1,7 @@
 """A hang watchdog: no job waits forever in a collective.
 
-The trainer names each wait that depends on other ranks as it enters it (`watchdog.phase("gradient
-allreduce", step)`) and leaves it (`watchdog.idle()`); each phase has its own budget: collectives the
+The trainer names each wait that depends on other ranks around it (`with watchdog.waiting("gradient
+allreduce", step):`); each phase has its own budget: collectives the
 collective timeout, a checkpoint write (which waits for the slowest rank's part on a parallel filesystem)
 the checkpoint timeout. Work that waits for nobody (validation compute, the summary) is not watched, so a
 long validation never aborts a healthy job; a rank stuck in it is seen by the others, who wait for it in
@@ -22,6 +22,7 @@ MPI, cannot run the signal's Python handler, but the signal's byte on the wakeup
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 from ..base.durable import write_text
 from ..base.errors import HpctrainError
@@ -101,6 +102,19 @@ class Watchdog:
         self._budget = default if budget is None else budget
         self._phase = name
         RECORDER.phase, RECORDER.step = name, self._step
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, step: int | None = None, budget: float | None = None) -> Iterator[None]:
+        """The wait `what` at `step` (as `phase`) for the block; after it, the wait it was nested in again (from
+        now: a new wait), or none. A block left by an exception leaves its wait named: the hang report, the flight
+        record and the heartbeat say where the rank was."""
+        before = (self._phase, self._step, self._budget)
+        self.phase(what, step, budget)
+        yield
+        if before[0] is None:
+            self.idle()
+        else:
+            self.phase(*before)
 
     def at_edge(self, budget: float | None) -> None:
         """From now on, waits get `budget` by default instead of the collective timeout (None: back to it).
@@ -257,6 +271,12 @@ class Watchdog:
         if self.log is not None:
             self.log(message)
         self.abort(1)
+
+
+def waiting(watchdog: Watchdog | None, what: str, step: int | None = None,
+            budget: float | None = None) -> ContextManager[None]:
+    """`watchdog.waiting(...)`, or nothing where no watchdog watches (a caller of the library's own)."""
+    return contextlib.nullcontext() if watchdog is None else watchdog.waiting(what, step, budget)
 
 
 def end_job(comm: Any, error: HpctrainError) -> None:

@@ -13,9 +13,8 @@ import os
 import threading
 from typing import Any, Iterable
 
-from ..base.hostmem import warn_if_huge_pages_missed
+from ..base.hostmem import tune_unless_decided
 from ..comm.procsets import ProcessGroup, Topology, registry, topology
-from ..comm.world import world
 
 _LOCK = threading.RLock()
 
@@ -68,15 +67,15 @@ global_process_set = ProcessSet()
 
 def init(comm: Any = None, process_sets: Iterable[ProcessSet] | None = None) -> None:
     """Start MPI and the global process set; safe to call again. `comm` (an mpi4py communicator or a list of
-    ranks) is not supported: hpctrain.horovod always runs over COMM_WORLD. Rank 0 warns when torch allocated
-    before `import hpctrain.horovod` and so missed its huge pages (`base.hostmem`)."""
+    ranks) is not supported: hpctrain.horovod always runs over COMM_WORLD. Tunes host memory first
+    (`hpctrain.tune_host_memory`; rank 0 warns when torch allocated first and so missed its huge pages)."""
     with _LOCK:
         if STATE.topology is not None:
             return
         if comm is not None:
             raise ValueError("hvd.init(comm=...) is not supported by hpctrain.horovod: it runs over COMM_WORLD; "
                              "use process sets (hvd.add_process_set) for subsets of ranks")
-        warn_if_huge_pages_missed(world().rank)
+        tune_unless_decided()
         STATE.topology = topology()
         _size_threads()
         STATE.registry = registry()

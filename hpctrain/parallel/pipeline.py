@@ -22,9 +22,10 @@ a neighbour is a span of the timeline (the bubble, visible).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -128,11 +129,10 @@ class Pipeline:
         Each operation names itself to the watchdog (the stage, forward or backward, the micro-batch: its
         tensor-parallel sums are collective waits) and to the flight recorder (the micro-batch its transfers
         and sums belong to), and is a span of the timeline with its micro-batch; so is each wait for a
-        neighbour. The wait the step was called in (the trainer's "gradient allreduce") is restored at the end."""
+        neighbour. The wait the step was called in (the trainer's "gradient allreduce") is restored after each."""
         g = self.groups
         started = time.perf_counter()
         self.timing = Timing()
-        before = self.watchdog.current if self.watchdog is not None else None
         rows = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
         ops = [op for op in schedule(self.kind, g.p, g.layout.pipe, len(rows)) if rows[op[1]]]
         posted: dict[Op, Transfer] = {}
@@ -143,21 +143,18 @@ class Pipeline:
         try:
             for k, (kind, i) in enumerate(ops):
                 RECORDER.micro = i
-                if self.watchdog is not None:
-                    self.watchdog.phase(f"pipeline stage {g.p} computing the {_NAMES[kind]} of micro-batch {i}", step)
-                for ahead in ops[k:k + 2]:
-                    self._post(ahead, rows[ahead[1]], posted)
-                lo, hi = bounds[i], bounds[i + 1]
-                if kind == "F":
-                    loss_sum += self._forward(i, x[lo:hi], y[lo:hi], posted, sends, saved, step)
-                else:
-                    self._backward(i, scale, posted, sends, saved, step, last_backward if k == last_b else None)
+                with self._waiting(f"pipeline stage {g.p} computing the {_NAMES[kind]} of micro-batch {i}", step):
+                    for ahead in ops[k:k + 2]:
+                        self._post(ahead, rows[ahead[1]], posted)
+                    lo, hi = bounds[i], bounds[i + 1]
+                    if kind == "F":
+                        loss_sum += self._forward(i, x[lo:hi], y[lo:hi], posted, sends, saved, step)
+                    else:
+                        self._backward(i, scale, posted, sends, saved, step, last_backward if k == last_b else None)
             RECORDER.micro = -1
             self._wait(sends, "its sends to finish", step)
         finally:
             RECORDER.micro = -1
-        if self.watchdog is not None and before is not None:
-            self.watchdog.phase(before, step)
         self.timing.wall = time.perf_counter() - started
         return loss_sum
 
@@ -242,21 +239,17 @@ class Pipeline:
                    step, op[1])
         return transfer.tensor
 
+    def _waiting(self, what: str, step: int) -> ContextManager[None]:
+        """The watchdog's wait `what` for a block (the control layer's `Watchdog.waiting`; none without one)."""
+        return contextlib.nullcontext() if self.watchdog is None else self.watchdog.waiting(what, step)
+
     def _wait(self, transfers: list[Transfer], what: str, step: int, micro: int = -1) -> None:
         """Wait for `transfers` (named to the watchdog as waiting for `what`), a span of the timeline."""
         if not transfers:
             return
         t0 = time.perf_counter()
-        dog = self.watchdog
-        before = dog.current if dog is not None else None
-        if dog is not None:
-            dog.phase(f"pipeline stage {self.groups.p} waiting for {what}", step)
-        wait_all(transfers)
-        if dog is not None:
-            if before is None:
-                dog.idle()
-            else:
-                dog.phase(before, step)
+        with self._waiting(f"pipeline stage {self.groups.p} waiting for {what}", step):
+            wait_all(transfers)
         t1 = time.perf_counter()
         self.timing.wait += t1 - t0
         TRACER.span("pipeline wait", t0, t1, micro=micro, waiting_for=what)

@@ -64,13 +64,16 @@ def torch_facts(env: RankEnv) -> dict[str, Any]:
 
 
 def huge_pages_text() -> str:
-    """Whether torch places large CPU tensors on huge pages in this process (`base.hostmem.prefer_huge_pages`)."""
-    from ..base.hostmem import THP_ENV, huge_pages_possible
+    """Whether torch places large CPU tensors on huge pages in a training process here (`hpctrain train` and
+    `hpctrain.init()` ask for them: `base.hostmem.tune_host_memory`), unless the user chose."""
+    from ..base.hostmem import OPT_OUT_ENV, THP_ENV, huge_pages_possible, opted_out
 
     if not huge_pages_possible():
         return "off (the kernel gives none)"
     value = os.environ.get(THP_ENV)
-    return "on" if value == "1" else f"off ({THP_ENV}={value if value is not None else 'unset'})"
+    if value is not None:
+        return "on" if value == "1" else f"off ({THP_ENV}={value})"
+    return f"off ({OPT_OUT_ENV}={os.environ[OPT_OUT_ENV]})" if opted_out() else "on"
 
 
 def hdf5_facts() -> dict[str, Any]:

@@ -84,11 +84,16 @@ def test_digits_reaches_accuracy_on_two_ranks(digits2: Path, tmp_path: Path) -> 
 
 
 def test_same_result_with_mpirun_n1_and_no_launcher(digits2: Path, tmp_path: Path) -> None:
+    """Also: `train` tunes host memory and says so in its log, and opting out (HPCTRAIN_HOST_TUNING=0) changes
+    that line only, not the result."""
     args = ["--data", str(digits2), "--epochs", "1", "--max-steps", "15"]
     mpirun(1, ["train", "--run-dir", str(tmp_path / "a"), *args])
-    hpctrain(["train", "--run-dir", str(tmp_path / "b"), *args])
+    hpctrain(["train", "--run-dir", str(tmp_path / "b"), *args], env=mpi_env(HPCTRAIN_HOST_TUNING="0"))
     assert summary(tmp_path / "a")["param_sha256"] == summary(tmp_path / "b")["param_sha256"]
     assert summary(tmp_path / "b")["world_size"] == 1 and summary(tmp_path / "b")["steps"] == 15
+    tuned = [line for line in (tmp_path / "a" / "logs" / "rank-0000.log").read_text().splitlines() if "host memory" in line]
+    assert len(tuned) == 1 and "freed memory kept for reuse" in tuned[0] and "too late" not in tuned[0], tuned
+    assert "host memory: left as it is" in (tmp_path / "b" / "logs" / "rank-0000.log").read_text()
 
 
 def test_launch_runs_train_on_two_ranks(digits2: Path, tmp_path: Path) -> None:

@@ -40,8 +40,7 @@ MAY_IMPORT = {
     "bench": {"base", "trace", "compute", "comm", "data", "parallel", "checkpoint", "control", "bench"},
     "cli": {"base", "trace", "compute", "comm", "data", "parallel", "checkpoint", "control", "api", "tools", "bench",
             "cli"},
-    # the library API lazily, on first use; base.hostmem at once: torch's huge pages must be asked for before torch
-    # allocates anything (the package import is the one place every entry passes first)
+    # the library API and the host memory tuning (base.hostmem) lazily, on first use: the import changes nothing
     "__init__": {"base", "api"},
     "__main__": {"base", "cli"},
 }

@@ -15,6 +15,7 @@ from hpctrain.base.errors import ConfigError
 from hpctrain.comm import GradSync, ShardedOptimizer, self_comm
 from hpctrain.control import plan
 from hpctrain.control.step import train_step
+from hpctrain.control.update import StepSetup
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -35,7 +36,7 @@ def test_the_plan_is_what_a_step_leaves_held(zero: int, optimizer: str) -> None:
     loss = torch.nn.CrossEntropyLoss(reduction="sum")
     x, y = torch.randn(8, 20).numpy(), torch.randint(0, 5, (8,)).numpy()
     for _ in range(2):
-        train_step(model, sync, opt, loss, x, y, 8)
+        train_step(StepSetup(model=model, sync=sync, optimizer=opt, loss_fn=loss), x, y, 8)
     state = opt.state_bytes() if zero else sum(v.numel() * v.element_size() for st in opt.state.values()
                                                for v in st.values())
     meta = plan.meta_model(build)
