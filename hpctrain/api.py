@@ -157,14 +157,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loader = loader
         if overlap is None:
             overlap = auto_overlap(ctx.device.type if hasattr(ctx.device, "type") else "cpu")
-        if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
-            raise ConfigError(f"zero={zero!r} must be 0 (no sharding), 1 (optimizer state), 2 (also gradients) or 3 "
-                              "(also parameters)")
         self.sync: GradSync = GradSync(model.parameters(), ctx.comm, stage=zero, module=model, bucket_mb=bucket_mb,
                                        overlap=overlap, compress=compress, hierarchical=hierarchical,
                                        deterministic=deterministic, reduce=zero_reduce)
-        if zero:
-            self.optimizer = ShardedOptimizer(optimizer, self.sync)
+        self.optimizer = self.sync.strategy.optimizer(optimizer)
         _ENGINES[model] = weakref.ref(self.sync)
         self.model = model
         self.world_size = ctx.world_size

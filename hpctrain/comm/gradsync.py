@@ -6,7 +6,7 @@ bucket's gradients are ready) and before forward (the parameters a forward reads
 |---|---|---|
 | 0 (`allreduce.WholeGradients`) | allreduce in place | nothing |
 | 1 (`zero.ShardedState`) | reduce-scatter into this rank's slice | allgather of the stepped slices, after the step |
-| 2 (`zero.ShardedState`) | pack, reduce-scatter, free the bucket's gradients | as stage 1 |
+| 2 (`zero.ShardedGradients`) | pack, reduce-scatter, free the bucket's gradients | as stage 1 |
 | 3 (`zero3.ShardedParams`) | as stage 2, then free the gathered parameters | allgather of each unit's parameters in its forward (and again in its backward), the next one prefetched |
 
 Autograd owns the gradients, as in a plain torch step: `zero()` drops them (`.grad = None`), so backward
@@ -28,43 +28,19 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from ..base.config import ZERO_REDUCERS, parse_grad_compression
+from ..base.config import parse_grad_compression
 from ..base.errors import CommError, ConfigError
 from ..base.hostmem import give_back_freed_memory, reuse_freed_memory
 from ..base.threads import join_logged
 from ..trace.flight import RECORDER
 from . import compress as compression
-from .allreduce import WholeGradients
-from .buckets import Bucket, trainable_in_backward_order
+from .buckets import Bucket, Strategy, trainable_in_backward_order
 from .buffers import broadcast_buffers, buffer_slots
 from .collectives import Collectives
 from .wire import buffer_spec, wire_bytes
+from .strategies import strategy_class
 from .world import Comm, cuda_aware, load_mpi
-from .zero import ShardedState, grads_into_slices, make_segments, unpacked, whole_grads
-from .zero3 import ShardedParams
-
-
-def refuse(stage: int, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any] = ()) -> None:
-    """What does not compose with ZeRO `stage`, refused in one line before anything is built."""
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ConfigError(f"ZeRO stage {stage!r} must be 0 (none), 1 (optimizer state), 2 (also gradients) or 3 "
-                          "(also parameters)")
-    if not stage:
-        return
-    if hierarchical:
-        raise ConfigError(f"--zero {stage} does not combine with --hierarchical (ZeRO reduce-scatters over all "
-                          "ranks at once): drop one of them")
-    if compress.partition(":")[0] in ("powersgd", "topk"):
-        raise ConfigError(f"--grad-compression {compress} does not combine with --zero {stage} (ZeRO sums each "
-                          "rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
-    if reduce not in ZERO_REDUCERS:
-        raise ConfigError(f"--zero-reduce {reduce!r}: choose one of {', '.join(ZERO_REDUCERS)}")
-    if stage == 3 and module is None:
-        raise ConfigError("--zero 3 shards the parameters by module: give the model (module=model), not only "
-                          "its parameters")
-    if stage == 3 and alone:
-        raise ConfigError("--zero 3 keeps each module's parameters in one bucket, so no parameter can be reduced "
-                          "alone (a pipeline's tied embedding/head asks for that): use --zero 2")
+from .zero import grads_into_slices, make_segments, unpacked, whole_grads
 
 
 class GradSync:
@@ -89,7 +65,8 @@ class GradSync:
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
         alone = list(alone)
-        refuse(stage, compress, hierarchical, reduce, module, alone)
+        strategy = strategy_class(stage)
+        strategy.refuse(compress, hierarchical, reduce, module, alone)
         kind, _ = parse_grad_compression(compress)
         reuse_freed_memory()  # zero() drops the gradients every step: their memory is kept for the next
         self.comm, self.stage = comm, stage
@@ -103,8 +80,7 @@ class GradSync:
         ordered = trainable_in_backward_order(params)
         self.dtype, self.device = ordered[0].dtype, ordered[0].device
         self.notes: list[str] = []
-        self.strategy: Any = (WholeGradients(self) if stage == 0 else ShardedState(self, stage) if stage < 3
-                              else ShardedParams(self, module))
+        self.strategy: Strategy = strategy(self, module)
         self.buckets: list[Bucket] = self.strategy.build(ordered, bucket_mb, alone)
         self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.params = [p for b in self.buckets for p in b.params]
@@ -135,14 +111,14 @@ class GradSync:
         self.loss_scale: float | None = None
         self._in_round = False
         self._whole = False  # `whole_grads()` gave the `.grad`s this step's whole gradients
-        self.segments = make_segments(self.buckets, comm.size, comm.rank) if stage else []
-        if stage and not self.segments:
+        self.segments = make_segments(self.buckets, comm.size, comm.rank) if strategy.sharded else []
+        if strategy.sharded and not self.segments:
             raise ConfigError(f"--zero {stage}: the model has fewer trainable elements than there are ranks "
                               f"({comm.size}), so rank {comm.rank} owns nothing; use --zero 0")
         self.reduce, self.probe = "allreduce", ""
-        if stage:
+        if strategy.sharded:
             self._choose_reducer(reduce)
-        if stage == 3:  # the whole model was built, then freed but for this rank's slices: give it back
+        if not strategy.holds_whole_model:  # the whole model was built, then freed but for this rank's slices
             give_back_freed_memory()
         self.strategy.start()
 
@@ -275,12 +251,7 @@ class GradSync:
     def reduced(self, param: Any) -> Any:
         """The memory that holds `param`'s summed gradient after `wait()`: its `.grad` at stage 0; with ZeRO,
         this rank's slice of it (flat), for a parameter that is a bucket alone (given as `alone`)."""
-        if not self.stage:
-            return param.grad
-        bucket = self._bucket_of[id(param)]
-        if len(bucket.params) != 1:
-            raise ValueError("GradSync.reduced: at ZeRO stages 1-3 the parameter shares its bucket; pass it as `alone`")
-        return bucket.shard
+        return self.strategy.reduced(param)
 
     def grad_tensors(self) -> list[Any]:
         """The memory that holds this rank's summed gradients after `wait()` (to unscale, check or clip them)."""
@@ -292,8 +263,7 @@ class GradSync:
 
     def param_bytes(self) -> int:
         """Bytes of parameter memory this rank holds now (at stage 3: its slices and the gathered units)."""
-        held = getattr(self.strategy, "param_bytes", None)
-        return held() if held is not None else sum(p.numel() * p.element_size() for p in self.params)
+        return self.strategy.param_bytes()
 
     def count_wire(self, numel: int, element_size: int) -> None:
         """Add a collective's payload to this step's wire bytes."""
@@ -323,7 +293,7 @@ class GradSync:
             if send.is_cuda and self.staging:  # staged: the collective runs on host memory
                 send, out = send.cpu(), out.cpu()
             self.reduce = "allreduce"  # would it sum this bucket unpacked? then the others pay a packed copy
-            packed = self.stage >= 2 and unpacked(self, bucket)
+            packed = self.strategy.packs and unpacked(self, bucket)
             reduce, self.probe = self.colls.fastest_reducer(send, out, bucket.counts, packed)
             del send, out
         self.reduce = self.colls.reducer = reduce if reduce != "auto" else "reduce-scatter"
@@ -332,7 +302,7 @@ class GradSync:
 
     def _start_hooks(self, ordered: list[Any]) -> None:
         """Hook every parameter's gradient-ready event and (with overlap) start the communication thread."""
-        if not (self.overlap or self.eager or self.stage == 3):
+        if not (self.overlap or self.eager or self.strategy.watches_accumulation):
             return
         for p in ordered:
             self._hooks.append(p.register_hook(self._guard(p)))
@@ -419,10 +389,7 @@ class GradSync:
         """(key, parameter or buffer) of `model.state_dict(keep_vars=True)`, whole while it is handed out: at
         stage 3 each unit is gathered while its keys are read (a collective: every rank iterates to the end),
         at stages 0-2 every rank holds them."""
-        if self.stage == 3:
-            yield from self.strategy.whole(model)
-        else:
-            yield from model.state_dict(keep_vars=True).items()
+        yield from self.strategy.state_items(model)
 
     def await_done(self, done: threading.Event) -> None:
         """Wait for a submitted collective; raise if the communication thread died."""
@@ -492,7 +459,7 @@ class GradSync:
 
 def ZeroSync(params: Iterable[Any], comm: Comm, *, stage: int, module: Any = None, **options: Any) -> GradSync:  # noqa: N802
     """The gradient engine at ZeRO `stage` 1, 2 or 3 (the name this constructor has had since stage 1)."""
-    if stage not in (1, 2, 3):
+    if not strategy_class(stage).sharded:
         raise ConfigError(f"ZeRO stage {stage!r} must be 1 (optimizer state), 2 (also gradients) or 3 (also "
                           "parameters)")
     return GradSync(params, comm, stage=stage, module=module, **options)
