@@ -23,6 +23,7 @@ same order. The collectives themselves are in collectives.py, the wire formats i
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -61,7 +62,7 @@ class GradSync:
     def __init__(self, params: Iterable[Any], comm: Comm, *, stage: int = 0, module: Any = None,
                  bucket_mb: float = 25.0, overlap: bool = True, compress: str = "none", hierarchical: bool = False,
                  deterministic: bool = False, node_key: int | None = None, reduce: str = "auto",
-                 alone: Iterable[Any] = ()):
+                 alone: Iterable[Any] = (), scales: Callable[[], tuple[float, float]] | None = None):
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
         alone = list(alone)
@@ -76,7 +77,7 @@ class GradSync:
         self.wire_bytes = 0  # what this rank put on the wire in the last step (its payload)
         self.wire_round = 0
         self.overlap = overlap and comm.size > 1
-        self.enabled = True
+        self._syncing = True  # off inside `no_sync()`: backward accumulates without reducing
         ordered = trainable_in_backward_order(params)
         self.dtype, self.device = ordered[0].dtype, ordered[0].device
         self.notes: list[str] = []
@@ -99,14 +100,13 @@ class GradSync:
         self._start_hooks(ordered)
         self.comm_seconds = 0.0
         self.hook_seconds = 0.0  # time spent in the gradient-ready hooks (inside backward), summed
-        # Scale each rank's gradient before the sum (e.g. its share of an uneven global batch) and the sum
-        # after it (e.g. 1 / world size for a mean); applied in place inside the reduction, no extra pass
-        # when both are 1.
+        # Each rank's gradient is scaled before the sum (e.g. its share of an uneven global batch) and the sum
+        # after it (e.g. 1 / world size for a mean), in place inside the reduction, no extra pass when both
+        # are 1: `scales` gives (prescale, postscale), asked once per step when its first gradient is ready.
         self.prescale = 1.0
         self.postscale = 1.0
-        # Or: a callable giving (prescale, postscale), asked once per step when its first gradient is ready.
-        self.scale_fn: Callable[[], tuple[float, float]] | None = None
-        # The loss scale the gradients carry (fp16), set before each backward; None: no loss scaling. Only the
+        self._scales = scales
+        # The loss scale the gradients carry (fp16; `set_loss_scale`); None: no loss scaling. Only the
         # compressors need it: their error feedback must not store scaled, possibly overflowed, gradients.
         self.loss_scale: float | None = None
         self._in_round = False
@@ -139,9 +139,27 @@ class GradSync:
             for p in bucket.params:
                 p.grad = None
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[Callable[[], None]]:
+        """Backwards run inside accumulate their gradients without reducing them (the micro-batches of an
+        accumulation but the last, as DDP's `no_sync()`), and `wait()` does nothing. It yields a function that
+        ends the pause early, for a caller whose last backward runs inside (a pipeline's schedule)."""
+        self._syncing = False
+        try:
+            yield self._resume
+        finally:
+            self._syncing = True
+
+    def _resume(self) -> None:
+        self._syncing = True
+
+    def set_loss_scale(self, scale: float | None) -> None:
+        """The loss scale the next backward's gradients carry (fp16's scaler), or None without loss scaling."""
+        self.loss_scale = scale
+
     def wait(self) -> None:
         """Finish the reduction of every bucket; afterwards each `.grad` (stage 0) or owned slice holds the sum."""
-        if not self.enabled:
+        if not self._syncing:
             return
         start = time.perf_counter()
         with self._lock:
@@ -313,12 +331,12 @@ class GradSync:
 
     def _begin_round(self) -> None:
         """The first gradient of a step is ready (or wait() came first): fix this round's scaling now, when
-        the caller knows which batch it is (`scale_fn`), not when it zeroed the gradients."""
+        the caller knows which batch it is (`scales`), not when it zeroed the gradients."""
         if not self._in_round:
             self._in_round = True
             self.wire_round = 0
-            if self.scale_fn is not None:
-                self.prescale, self.postscale = self.scale_fn()
+            if self._scales is not None:
+                self.prescale, self.postscale = self._scales()
 
     def _end_round(self) -> None:
         """Every bucket is reduced: the next backward starts a new round of launches."""
@@ -329,7 +347,7 @@ class GradSync:
         self._in_round = False
 
     def _on_grad_ready(self, param: Any) -> None:
-        if not self.enabled:
+        if not self._syncing:
             self.strategy.accumulated(param)  # stage 3: a unit's backward is done even without a reduction
             return
         if not (self.overlap or self.eager):
@@ -347,7 +365,7 @@ class GradSync:
         bucket = self._bucket_of[id(param)]
 
         def guard(grad: Any) -> None:
-            if self.enabled and id(param) in bucket.ready:
+            if self._syncing and id(param) in bucket.ready:
                 self._twice(param)
 
         return guard

@@ -102,12 +102,10 @@ class Parallel:
                               accumulate=accumulate, precision=precision, scaler=scaler, phases=phases)
         sync.zero()
         scale = scaler.scale if scaler is not None else 1.0
-        sync.loss_scale = scaler.scale if scaler is not None else None
+        sync.set_loss_scale(scaler.scale if scaler is not None else None)
         bounds = np.linspace(0, len(y), self.micro * accumulate + 1).astype(int).tolist()
-        sync.enabled = False
-        loss = self.pipeline.step(x, y, bounds, scale / global_n, step=step,
-                                  last_backward=lambda: setattr(sync, "enabled", True))
-        sync.enabled = True
+        with sync.no_sync() as last_backward:  # the pipeline's last backward reduces
+            loss = self.pipeline.step(x, y, bounds, scale / global_n, step=step, last_backward=last_backward)
         t0 = time.perf_counter()
         sync.wait()
         for param in self.tied:  # the embedding's gradient on the first stage plus the head's on the last

@@ -79,27 +79,28 @@ def train_step(model: Any, sync: GradSync, optimizer: Any, loss_fn: Any, x: np.n
     clock.lap("zero")
     loss_value = 0.0
     scale = scaler.scale if scaler is not None else 1.0
-    sync.loss_scale = scaler.scale if scaler is not None else None  # what the summed gradients carry
+    sync.set_loss_scale(scaler.scale if scaler is not None else None)  # what the summed gradients carry
     bounds = np.linspace(0, len(y), accumulate + 1).astype(int) if accumulate > 1 else (0, len(y))
-    for i in range(len(bounds) - 1):
-        lo, hi = bounds[i], bounds[i + 1]
-        sync.enabled = i == len(bounds) - 2
-        if hi == lo and not sync.strategy.gathers_in_forward:  # else a forward is a collective: every rank runs every one
-            continue
-        xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
-        if xt.dtype != torch.float32 and xt.dtype != torch.int64:  # int64: token ids
-            xt = xt.float()
-        yt = torch.from_numpy(y[lo:hi]).to(device, non_blocking=True)
-        with autocast(device, precision):
-            out = model(xt)
-        if out.dim() > 2:  # a language model: logits (batch, tokens, vocabulary), one target per token
-            out, yt = out.reshape(-1, out.shape[-1]), yt.reshape(-1)
-        loss_sum = loss_fn(out.float(), yt)
-        clock.lap("forward")
-        (loss_sum * (scale / global_n)).backward()
-        loss_value += float(loss_sum.detach())
-        clock.lap("backward")
-    sync.enabled = True
+    with sync.no_sync() as last_backward:  # only the last micro-batch's backward reduces
+        for i in range(len(bounds) - 1):
+            lo, hi = bounds[i], bounds[i + 1]
+            if i == len(bounds) - 2:
+                last_backward()
+            if hi == lo and not sync.strategy.gathers_in_forward:  # else a forward is a collective: every rank runs every one
+                continue
+            xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
+            if xt.dtype != torch.float32 and xt.dtype != torch.int64:  # int64: token ids
+                xt = xt.float()
+            yt = torch.from_numpy(y[lo:hi]).to(device, non_blocking=True)
+            with autocast(device, precision):
+                out = model(xt)
+            if out.dim() > 2:  # a language model: logits (batch, tokens, vocabulary), one target per token
+                out, yt = out.reshape(-1, out.shape[-1]), yt.reshape(-1)
+            loss_sum = loss_fn(out.float(), yt)
+            clock.lap("forward")
+            (loss_sum * (scale / global_n)).backward()
+            loss_value += float(loss_sum.detach())
+            clock.lap("backward")
     sync.wait()
     clock.lap("wait")
     if scaler is not None and not scaler.unscale(sync.grad_tensors(), sync.comm):

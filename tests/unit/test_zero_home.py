@@ -74,3 +74,37 @@ def test_no_branch_on_the_zero_stage_outside_its_strategies() -> None:
             found += [f"hpctrain/{rel}:{line}: {code}" for line, code in stage_branches(path.read_text())]
     assert not found, ("branches on a ZeRO stage's value outside its strategies (ask the strategy class instead, "
                        "e.g. `strategy_class(stage).gathers_in_forward`):\n" + "\n".join(found))
+
+
+KNOBS = {"enabled", "loss_scale", "prescale", "postscale", "scale_fn"}
+
+
+def flipped_knobs(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every assignment of a gradient engine's knob on another object than `self` (including
+    `setattr(obj, "knob", ...)`): callers say what they mean (`with sync.no_sync():`, `sync.set_loss_scale(s)`,
+    `GradSync(..., scales=...)`) instead of flipping the engine's state from outside."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in KNOBS and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                found.append((node.lineno, ast.unparse(node)))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in KNOBS):
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_the_knob_detector_sees_assignments_from_outside() -> None:
+    src = ("sync.enabled = False\nself.enabled = True\nopt.sync.scale_fn = f\nsetattr(sync, 'enabled', True)\n"
+           "sync.loss_scale = 2.0\nx = sync.enabled\n")
+    assert [line for line, _ in flipped_knobs(src)] == [1, 3, 4, 5]
+
+
+def test_no_caller_flips_the_gradient_engines_knobs() -> None:
+    root = PACKAGE.parent
+    paths = sorted([*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py")])
+    found = [f"{path.relative_to(root)}:{line}: {code}" for path in paths if path.name != "test_zero_home.py"
+             for line, code in flipped_knobs(path.read_text())]
+    assert not found, "knobs of the gradient engine set from outside it:\n" + "\n".join(found)
