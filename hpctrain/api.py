@@ -157,14 +157,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loader = loader
         if overlap is None:
             overlap = auto_overlap(ctx.device.type if hasattr(ctx.device, "type") else "cpu")
-        if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
-            raise ConfigError(f"zero={zero!r} must be 0 (no sharding), 1 (optimizer state), 2 (also gradients) or 3 "
-                              "(also parameters)")
+        # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs
+        # to has been handed out, whether zero_grad() ran before backward or after the previous step().
         self.sync: GradSync = GradSync(model.parameters(), ctx.comm, stage=zero, module=model, bucket_mb=bucket_mb,
                                        overlap=overlap, compress=compress, hierarchical=hierarchical,
-                                       deterministic=deterministic, reduce=zero_reduce)
-        if zero:
-            self.optimizer = ShardedOptimizer(optimizer, self.sync)
+                                       deterministic=deterministic, reduce=zero_reduce, scales=self._scales)
+        self.optimizer = self.sync.strategy.optimizer(optimizer)
         _ENGINES[model] = weakref.ref(self.sync)
         self.model = model
         self.world_size = ctx.world_size
@@ -174,9 +172,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._world_scale = in_kernel_mean(optimizer, compress=compress, world_size=ctx.world_size,
                                            on_cpu=all(p.device.type == "cpu" for p in model.parameters()))
         self._mean_pending = False  # this step's sum still waits for its division
-        # The scaling of each step is fixed when its first gradient is ready, i.e. once the batch it belongs
-        # to has been handed out, whether zero_grad() ran before backward or after the previous step().
-        self.sync.scale_fn = self._scales
 
     # torch.optim.Optimizer's attributes, read live: the wrapped optimizer's load_state_dict() replaces them
     @property
@@ -234,11 +229,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        self.sync.enabled = False
-        try:
+        with self.sync.no_sync():
             yield
-        finally:
-            self.sync.enabled = True
 
     def synchronize(self, whole: bool = True) -> None:
         """Finish the gradient sync: `.grad` then holds the mean at every ZeRO stage (not with whole=False: sliced)."""

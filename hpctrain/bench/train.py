@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..comm import Comm, GradSync, self_comm
+from ..comm import Comm, GradSync, self_comm, strategy_class
 from ..base.rankenv import RankEnv, read_env
 from ..base.errors import ConfigError
 from ..control.tracing import Timeline
@@ -132,7 +132,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         hp_step()  # the optimizer state exists from the first step on
     memory = _memory(comm, model, sync, opt)
     lm = _lm_rates(comm, model, device, seq_len) if _is_lm(model_spec) else None
-    if zero:
+    if strategy_class(zero).sharded:
         other, _, stage0_sync, _ = stepper(0)
     else:
         other = _ddp_baseline(comm, env, baseline, device, fresh_model, batches)
@@ -156,7 +156,7 @@ def bench_train(comm: Comm, *, model_spec: str = "mlp:2048,2048", input_dim: int
         result["mfu"] = result["tokens_per_s"] * lm["flops_per_token"] / lm["peak_flops"]
     raw_ms = _raw_allreduce_ms(comm, params) if comm.size > 1 else None
     result.update(limit_figures(hp_times, times["plain"], in_step, raw_ms, overlap, times.get("handwritten")))
-    if zero:
+    if strategy_class(zero).sharded:
         return _beside_stage0(result, other_times, sync, stage0_sync)
     if other:
         ddp_ms = statistics.median(other_times) * 1e3

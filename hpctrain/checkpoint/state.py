@@ -66,14 +66,14 @@ def _model_entries(model: Any, sync: Any) -> tuple[dict[str, Any], list[Any]]:
     for key, value in model.state_dict(keep_vars=True).items():
         if not torch.is_tensor(value):  # a module's extra state
             tree[key] = value
-        elif (sync is not None and sync.stage and sync.owns(value)) or not isinstance(value, torch.nn.Parameter):
+        elif (sync is not None and sync.strategy.owns(value)) or not isinstance(value, torch.nn.Parameter):
             name = f"model/{first.setdefault(id(value), key)}"
             tree[key] = {REF: name}
             if not isinstance(value, torch.nn.Parameter) and rank == 0 and first[id(value)] == key:
                 pieces.append((name, value.detach(), tuple(value.shape), (0,) * value.dim()))
         else:  # parameters every rank holds whole and equal (all at stage 0; frozen ones at 1-3)
             tree[key] = value.detach()
-    if sync is None or not sync.stage:
+    if sync is None or not sync.strategy.sharded:
         return tree, pieces
     for seg in sync.segments:
         pieces += flat_pieces(f"model/{first[id(seg.param)]}", tuple(seg.param.shape), seg.start, seg.stop,
@@ -156,7 +156,7 @@ def rank_state(loaded: Loaded, rank: int) -> dict[str, Any]:
 
 def _load_model(loaded: Loaded, model: Any, sync: Any) -> None:
     reader, tree = loaded.reader, loaded.model
-    if sync is None or sync.stage != 3:  # every rank holds the whole model
+    if sync is None or sync.strategy.holds_whole_model:
         model.load_state_dict({k: reader.resolve(v) for k, v in tree.items()})
         return
     keys: dict[int, str] = {}

@@ -18,9 +18,6 @@ from .world import load_mpi
 class WholeGradients(Strategy):
     """The allreduce strategy of `engine` (a GradSync): without overlap, the buckets are summed in wait()."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
-
     def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
         """Buckets of at most `bucket_mb` MiB; a large gradient, and each parameter of `alone`, a bucket alone.
         Without overlap every bucket is summed in wait(), after backward: the small gradients are then packed

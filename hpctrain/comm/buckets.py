@@ -12,7 +12,8 @@ memory (`flatten_params`); `plan_segments` says, as a pure function, which parts
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from ..base.errors import ConfigError
 
@@ -140,14 +141,105 @@ def bind_bucket(bucket: Bucket) -> None:
         p.grad = view
 
 
+class Engine(Protocol):
+    """What a stage's strategy sees of the gradient engine (`gradsync.GradSync`): the buckets and where they
+    live, how a bucket goes on the wire (the collectives, the wire format, the scaling of this step's sum), and
+    the engine's submission of collectives (in program order, on the communication thread with overlap)."""
+
+    OWN_BYTES: int  # a gradient this large is a bucket alone, reduced from its own memory
+    comm: Any  # world.Comm
+    colls: Any  # collectives.Collectives
+    buckets: list[Bucket]
+    segments: list[Any]  # the optimizer's leaves over this rank's slices (zero.Segment); none at stage 0
+    dtype: Any
+    device: Any
+    overlap: bool
+    staging: bool  # device memory goes to MPI through pinned host buffers
+    deterministic: bool
+    compress: str  # the wire format: none, fp16 or bf16
+    compressor: Any  # PowerSGD or top-k (compress.py), or None
+    reduce: str  # ZeRO's reducer
+    prescale: float
+    postscale: float
+    loss_scale: float | None
+    wire_round: int
+
+    @property
+    def threaded(self) -> bool: ...
+
+    def count_wire(self, numel: int, element_size: int) -> None: ...
+
+    def gather(self, bucket: Bucket, full: Any, shard: Any = None) -> None: ...
+
+    def submit(self, task: Callable[[], None], done: threading.Event) -> None: ...
+
+    def await_done(self, done: threading.Event) -> None: ...
+
+    def bucket_of(self, param: Any) -> Bucket: ...
+
+    def owns(self, tensor: Any) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """A model's trainable parameters as a stage cuts them into buckets, seen from rank 0 (which holds the
+    largest slices): what the memory plan (control/plan.py) asks a stage's `footprint` of. Counts of elements."""
+
+    total: int  # of the model
+    owned: int  # in rank 0's slices of the buckets
+    packed: int  # in the largest bucket of several parameters
+    numels: list[int]  # of each bucket
+    root: list[bool]  # whether each bucket is the model's root unit (stage 3's units)
+    params: int  # trainable parameters
+    owned_params: int  # parameters rank 0 holds a slice of, counted per bucket
+    world: int
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Elements a rank holds between two steps at a stage (`gathered`: what it holds whole during a step on top),
+    and the number of tensors its optimizer steps."""
+
+    params: int
+    grads: int
+    state: int  # elements the optimizer keeps state for
+    pieces: int  # tensors the optimizer steps (Adam keeps a step count per tensor)
+    gathered: int = 0
+
+
 class Strategy:
-    """What a ZeRO stage does at the moments of a step (gradsync.GradSync calls them). A stage defines `build`,
-    `reduce` (after backward: a bucket's gradients are ready), `after_step`, `grad_tensors` and `grad_bytes`;
-    the moments below do nothing unless it needs them (stage 3 does)."""
+    """What a ZeRO stage does at the moments of a step (gradsync.GradSync calls them), and what it answers to the
+    trainer, the plan, the checkpoint and the API, so that they never branch on the stage's number (the
+    registry `strategies.STRATEGIES` maps it to a class). A stage defines `build`, `reduce` (after backward: a
+    bucket's gradients are ready), `after_step`, `grad_tensors` and `grad_bytes`; the moments below do nothing
+    unless it needs them (stage 3 does). This class answers as stage 0 does: every rank holds everything."""
 
     stage = 0
     eager = False  # reduce each bucket inline as soon as backward has filled it, even without overlap
     COLLECTIVE = "allreduce"  # what the flight recorder calls a bucket's sum
+    sharded = False  # the optimizer state is sharded: the optimizer steps this rank's slices (`ShardedOptimizer`)
+    holds_whole_model = True  # every rank holds every parameter between steps
+    gathers_in_forward = False  # a forward is a collective: every rank runs one for every batch, empty ones too
+    packs = False  # a bucket's gradients are packed into one buffer to be sent (the reducer probe asks)
+    watches_accumulation = False  # backward's gradient-ready hooks matter even with no reduction to launch
+
+    def __init__(self, engine: Engine, module: Any = None):
+        self.engine, self.module = engine, module  # the model (stage 3 shards it by module)
+
+    @classmethod
+    def refuse(cls, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any]) -> None:
+        """What does not compose with this stage, refused in one line before anything is built."""
+
+    @classmethod
+    def plan_groups(cls, model: Any, ordered: list[Any], bucket_mb: float, own_bytes: int) -> list[tuple[list[Any], Any]]:
+        """The memory plan's buckets of `ordered` (trainable parameters, backward order), each with its module
+        (None: buckets are not cut by module)."""
+        return [(group, None) for group in assign_buckets(ordered, bucket_mb, own_bytes)]
+
+    @classmethod
+    def footprint(cls, cut: Cut) -> Footprint:
+        """What a rank holds of a model cut as `cut` (the memory plan's per-stage formulas)."""
+        return Footprint(params=cut.total, grads=cut.total, state=cut.total, pieces=cut.params)
 
     def start(self) -> None:
         """The engine is built: hook the model (stage 3's forward hooks)."""
@@ -167,6 +259,26 @@ class Strategy:
 
     def close(self) -> None:
         """Remove what `start` hooked."""
+
+    def owns(self, tensor: Any) -> bool:
+        """Whether a checkpoint holds `tensor` in slices, each rank writing its own: a parameter this stage shards."""
+        return False
+
+    def reduced(self, param: Any) -> Any:
+        """The memory that holds `param`'s summed gradient after `wait()`: its `.grad`."""
+        return param.grad
+
+    def state_items(self, model: Any) -> Iterator[tuple[str, Any]]:
+        """(key, parameter or buffer) of `model.state_dict(keep_vars=True)`, whole while it is handed out."""
+        yield from model.state_dict(keep_vars=True).items()
+
+    def param_bytes(self) -> int:
+        """Bytes of parameter memory this rank holds now."""
+        return sum(p.numel() * p.element_size() for b in self.engine.buckets for p in b.params)
+
+    def optimizer(self, optimizer: Any) -> Any:
+        """What steps the parameters: `optimizer` itself, which steps the whole model."""
+        return optimizer
 
 
 def shard_bounds(n: int, world: int) -> list[tuple[int, int]]:

@@ -6,7 +6,7 @@ bucket's gradients are ready) and before forward (the parameters a forward reads
 |---|---|---|
 | 0 (`allreduce.WholeGradients`) | allreduce in place | nothing |
 | 1 (`zero.ShardedState`) | reduce-scatter into this rank's slice | allgather of the stepped slices, after the step |
-| 2 (`zero.ShardedState`) | pack, reduce-scatter, free the bucket's gradients | as stage 1 |
+| 2 (`zero.ShardedGradients`) | pack, reduce-scatter, free the bucket's gradients | as stage 1 |
 | 3 (`zero3.ShardedParams`) | as stage 2, then free the gathered parameters | allgather of each unit's parameters in its forward (and again in its backward), the next one prefetched |
 
 Autograd owns the gradients, as in a plain torch step: `zero()` drops them (`.grad = None`), so backward
@@ -23,48 +23,25 @@ same order. The collectives themselves are in collectives.py, the wire formats i
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from ..base.config import ZERO_REDUCERS, parse_grad_compression
+from ..base.config import parse_grad_compression
 from ..base.errors import CommError, ConfigError
 from ..base.hostmem import give_back_freed_memory
 from ..base.threads import join_logged
 from ..trace.flight import RECORDER
 from . import compress as compression
-from .allreduce import WholeGradients
-from .buckets import Bucket, trainable_in_backward_order
+from .buckets import Bucket, Strategy, trainable_in_backward_order
 from .buffers import broadcast_buffers, buffer_slots
 from .collectives import Collectives
 from .wire import buffer_spec, wire_bytes
+from .strategies import strategy_class
 from .world import Comm, cuda_aware, load_mpi
-from .zero import ShardedState, grads_into_slices, make_segments, unpacked, whole_grads
-from .zero3 import ShardedParams
-
-
-def refuse(stage: int, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any] = ()) -> None:
-    """What does not compose with ZeRO `stage`, refused in one line before anything is built."""
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ConfigError(f"ZeRO stage {stage!r} must be 0 (none), 1 (optimizer state), 2 (also gradients) or 3 "
-                          "(also parameters)")
-    if not stage:
-        return
-    if hierarchical:
-        raise ConfigError(f"--zero {stage} does not combine with --hierarchical (ZeRO reduce-scatters over all "
-                          "ranks at once): drop one of them")
-    if compress.partition(":")[0] in ("powersgd", "topk"):
-        raise ConfigError(f"--grad-compression {compress} does not combine with --zero {stage} (ZeRO sums each "
-                          "rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
-    if reduce not in ZERO_REDUCERS:
-        raise ConfigError(f"--zero-reduce {reduce!r}: choose one of {', '.join(ZERO_REDUCERS)}")
-    if stage == 3 and module is None:
-        raise ConfigError("--zero 3 shards the parameters by module: give the model (module=model), not only "
-                          "its parameters")
-    if stage == 3 and alone:
-        raise ConfigError("--zero 3 keeps each module's parameters in one bucket, so no parameter can be reduced "
-                          "alone (a pipeline's tied embedding/head asks for that): use --zero 2")
+from .zero import grads_into_slices, make_segments, unpacked, whole_grads
 
 
 class GradSync:
@@ -85,11 +62,12 @@ class GradSync:
     def __init__(self, params: Iterable[Any], comm: Comm, *, stage: int = 0, module: Any = None,
                  bucket_mb: float = 25.0, overlap: bool = True, compress: str = "none", hierarchical: bool = False,
                  deterministic: bool = False, node_key: int | None = None, reduce: str = "auto",
-                 alone: Iterable[Any] = ()):
+                 alone: Iterable[Any] = (), scales: Callable[[], tuple[float, float]] | None = None):
         if bucket_mb <= 0:
             raise ConfigError(f"--bucket-mb {bucket_mb} must be positive, e.g. 4")
         alone = list(alone)
-        refuse(stage, compress, hierarchical, reduce, module, alone)
+        strategy = strategy_class(stage)
+        strategy.refuse(compress, hierarchical, reduce, module, alone)
         kind, _ = parse_grad_compression(compress)
         self.comm, self.stage = comm, stage
         self.buffers = buffer_slots(module)  # rank 0's after every step (`buffers.py`)
@@ -98,12 +76,11 @@ class GradSync:
         self.wire_bytes = 0  # what this rank put on the wire in the last step (its payload)
         self.wire_round = 0
         self.overlap = overlap and comm.size > 1
-        self.enabled = True
+        self._syncing = True  # off inside `no_sync()`: backward accumulates without reducing
         ordered = trainable_in_backward_order(params)
         self.dtype, self.device = ordered[0].dtype, ordered[0].device
         self.notes: list[str] = []
-        self.strategy: Any = (WholeGradients(self) if stage == 0 else ShardedState(self, stage) if stage < 3
-                              else ShardedParams(self, module))
+        self.strategy: Strategy = strategy(self, module)
         self.buckets: list[Bucket] = self.strategy.build(ordered, bucket_mb, alone)
         self._bucket_of: dict[int, Bucket] = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.params = [p for b in self.buckets for p in b.params]
@@ -122,26 +99,25 @@ class GradSync:
         self._start_hooks(ordered)
         self.comm_seconds = 0.0
         self.hook_seconds = 0.0  # time spent in the gradient-ready hooks (inside backward), summed
-        # Scale each rank's gradient before the sum (e.g. its share of an uneven global batch) and the sum
-        # after it (e.g. 1 / world size for a mean); applied in place inside the reduction, no extra pass
-        # when both are 1.
+        # Each rank's gradient is scaled before the sum (e.g. its share of an uneven global batch) and the sum
+        # after it (e.g. 1 / world size for a mean), in place inside the reduction, no extra pass when both
+        # are 1: `scales` gives (prescale, postscale), asked once per step when its first gradient is ready.
         self.prescale = 1.0
         self.postscale = 1.0
-        # Or: a callable giving (prescale, postscale), asked once per step when its first gradient is ready.
-        self.scale_fn: Callable[[], tuple[float, float]] | None = None
-        # The loss scale the gradients carry (fp16), set before each backward; None: no loss scaling. Only the
+        self._scales = scales
+        # The loss scale the gradients carry (fp16; `set_loss_scale`); None: no loss scaling. Only the
         # compressors need it: their error feedback must not store scaled, possibly overflowed, gradients.
         self.loss_scale: float | None = None
         self._in_round = False
         self._whole = False  # `whole_grads()` gave the `.grad`s this step's whole gradients
-        self.segments = make_segments(self.buckets, comm.size, comm.rank) if stage else []
-        if stage and not self.segments:
+        self.segments = make_segments(self.buckets, comm.size, comm.rank) if strategy.sharded else []
+        if strategy.sharded and not self.segments:
             raise ConfigError(f"--zero {stage}: the model has fewer trainable elements than there are ranks "
                               f"({comm.size}), so rank {comm.rank} owns nothing; use --zero 0")
         self.reduce, self.probe = "allreduce", ""
-        if stage:
+        if strategy.sharded:
             self._choose_reducer(reduce)
-        if stage == 3:  # the whole model was built, then freed but for this rank's slices: give it back
+        if not strategy.holds_whole_model:  # the whole model was built, then freed but for this rank's slices
             give_back_freed_memory()
         self.strategy.start()
 
@@ -162,9 +138,27 @@ class GradSync:
             for p in bucket.params:
                 p.grad = None
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[Callable[[], None]]:
+        """Backwards run inside accumulate their gradients without reducing them (the micro-batches of an
+        accumulation but the last, as DDP's `no_sync()`), and `wait()` does nothing. It yields a function that
+        ends the pause early, for a caller whose last backward runs inside (a pipeline's schedule)."""
+        self._syncing = False
+        try:
+            yield self._resume
+        finally:
+            self._syncing = True
+
+    def _resume(self) -> None:
+        self._syncing = True
+
+    def set_loss_scale(self, scale: float | None) -> None:
+        """The loss scale the next backward's gradients carry (fp16's scaler), or None without loss scaling."""
+        self.loss_scale = scale
+
     def wait(self) -> None:
         """Finish the reduction of every bucket; afterwards each `.grad` (stage 0) or owned slice holds the sum."""
-        if not self.enabled:
+        if not self._syncing:
             return
         start = time.perf_counter()
         with self._lock:
@@ -274,12 +268,7 @@ class GradSync:
     def reduced(self, param: Any) -> Any:
         """The memory that holds `param`'s summed gradient after `wait()`: its `.grad` at stage 0; with ZeRO,
         this rank's slice of it (flat), for a parameter that is a bucket alone (given as `alone`)."""
-        if not self.stage:
-            return param.grad
-        bucket = self._bucket_of[id(param)]
-        if len(bucket.params) != 1:
-            raise ValueError("GradSync.reduced: at ZeRO stages 1-3 the parameter shares its bucket; pass it as `alone`")
-        return bucket.shard
+        return self.strategy.reduced(param)
 
     def grad_tensors(self) -> list[Any]:
         """The memory that holds this rank's summed gradients after `wait()` (to unscale, check or clip them)."""
@@ -291,8 +280,7 @@ class GradSync:
 
     def param_bytes(self) -> int:
         """Bytes of parameter memory this rank holds now (at stage 3: its slices and the gathered units)."""
-        held = getattr(self.strategy, "param_bytes", None)
-        return held() if held is not None else sum(p.numel() * p.element_size() for p in self.params)
+        return self.strategy.param_bytes()
 
     def count_wire(self, numel: int, element_size: int) -> None:
         """Add a collective's payload to this step's wire bytes."""
@@ -322,7 +310,7 @@ class GradSync:
             if send.is_cuda and self.staging:  # staged: the collective runs on host memory
                 send, out = send.cpu(), out.cpu()
             self.reduce = "allreduce"  # would it sum this bucket unpacked? then the others pay a packed copy
-            packed = self.stage >= 2 and unpacked(self, bucket)
+            packed = self.strategy.packs and unpacked(self, bucket)
             reduce, self.probe = self.colls.fastest_reducer(send, out, bucket.counts, packed)
             del send, out
         self.reduce = self.colls.reducer = reduce if reduce != "auto" else "reduce-scatter"
@@ -331,7 +319,7 @@ class GradSync:
 
     def _start_hooks(self, ordered: list[Any]) -> None:
         """Hook every parameter's gradient-ready event and (with overlap) start the communication thread."""
-        if not (self.overlap or self.eager or self.stage == 3):
+        if not (self.overlap or self.eager or self.strategy.watches_accumulation):
             return
         for p in ordered:
             self._hooks.append(p.register_hook(self._guard(p)))
@@ -342,12 +330,12 @@ class GradSync:
 
     def _begin_round(self) -> None:
         """The first gradient of a step is ready (or wait() came first): fix this round's scaling now, when
-        the caller knows which batch it is (`scale_fn`), not when it zeroed the gradients."""
+        the caller knows which batch it is (`scales`), not when it zeroed the gradients."""
         if not self._in_round:
             self._in_round = True
             self.wire_round = 0
-            if self.scale_fn is not None:
-                self.prescale, self.postscale = self.scale_fn()
+            if self._scales is not None:
+                self.prescale, self.postscale = self._scales()
 
     def _end_round(self) -> None:
         """Every bucket is reduced: the next backward starts a new round of launches."""
@@ -358,7 +346,7 @@ class GradSync:
         self._in_round = False
 
     def _on_grad_ready(self, param: Any) -> None:
-        if not self.enabled:
+        if not self._syncing:
             self.strategy.accumulated(param)  # stage 3: a unit's backward is done even without a reduction
             return
         if not (self.overlap or self.eager):
@@ -376,7 +364,7 @@ class GradSync:
         bucket = self._bucket_of[id(param)]
 
         def guard(grad: Any) -> None:
-            if self.enabled and id(param) in bucket.ready:
+            if self._syncing and id(param) in bucket.ready:
                 self._twice(param)
 
         return guard
@@ -418,10 +406,7 @@ class GradSync:
         """(key, parameter or buffer) of `model.state_dict(keep_vars=True)`, whole while it is handed out: at
         stage 3 each unit is gathered while its keys are read (a collective: every rank iterates to the end),
         at stages 0-2 every rank holds them."""
-        if self.stage == 3:
-            yield from self.strategy.whole(model)
-        else:
-            yield from model.state_dict(keep_vars=True).items()
+        yield from self.strategy.state_items(model)
 
     def await_done(self, done: threading.Event) -> None:
         """Wait for a submitted collective; raise if the communication thread died."""
@@ -491,7 +476,7 @@ class GradSync:
 
 def ZeroSync(params: Iterable[Any], comm: Comm, *, stage: int, module: Any = None, **options: Any) -> GradSync:  # noqa: N802
     """The gradient engine at ZeRO `stage` 1, 2 or 3 (the name this constructor has had since stage 1)."""
-    if stage not in (1, 2, 3):
+    if not strategy_class(stage).sharded:
         raise ConfigError(f"ZeRO stage {stage!r} must be 1 (optimizer state), 2 (also gradients) or 3 (also "
                           "parameters)")
     return GradSync(params, comm, stage=stage, module=module, **options)

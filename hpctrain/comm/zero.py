@@ -26,9 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .buckets import Bucket, Strategy, assign_buckets, bind_bucket, flatten_params, owned_bucket, pack, plan_segments, sharded_bucket
+from ..base.config import ZERO_REDUCERS
+from ..base.errors import ConfigError
+from .buckets import (Bucket, Cut, Engine, Footprint, Strategy, assign_buckets, bind_bucket, flatten_params,
+                      owned_bucket, pack, plan_segments, sharded_bucket)
 from .wire import scaled_sum
 from .world import load_mpi
+from .zerooptim import ShardedOptimizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +75,7 @@ def staging(bucket: Bucket, dtype: Any) -> tuple[Any, Any]:
     return bucket.host, bucket.host_shard
 
 
-def whole_grads(engine: Any) -> bool:
+def whole_grads(engine: Engine) -> bool:
     """After the reduction: every parameter's `.grad` the whole reduced gradient on every rank (what
     `synchronize()` promises at every stage), each bucket's slices allgathered into one gradient whose views the
     `.grad`s become: at stage 1 the bucket's own gradient memory (the local gradients it held), at stages 2 and
@@ -97,7 +101,7 @@ def whole_grads(engine: Any) -> bool:
     return bool(engine.segments)
 
 
-def grads_into_slices(engine: Any) -> bool:
+def grads_into_slices(engine: Engine) -> bool:
     """Before the step, after `whole_grads`: this rank's slices read back from the `.grad`s as the caller left
     them (zeros for a gradient it dropped). Returns False: the `.grad`s are read."""
     for seg in engine.segments:
@@ -108,7 +112,7 @@ def grads_into_slices(engine: Any) -> bool:
     return False
 
 
-def reduce_into_shard(engine: Any, send: Any, bucket: Bucket) -> None:
+def reduce_into_shard(engine: Engine, send: Any, bucket: Bucket) -> None:
     """Sum `send` (a bucket's whole gradient) over the ranks into this rank's slice `bucket.shard`, scaled and
     on the wire format, by the engine's reducer (stages 1 to 3)."""
     import torch
@@ -132,7 +136,7 @@ def reduce_into_shard(engine: Any, send: Any, bucket: Bucket) -> None:
         bucket.shard.copy_(out)
 
 
-def unpacked(engine: Any, bucket: Bucket) -> bool:
+def unpacked(engine: Engine, bucket: Bucket) -> bool:
     """Whether `bucket` is summed without packing it: by the allreduce reducer (each rank keeps its slice of
     the sum anyway), in host memory, not in rank order, and with a gradient large enough to be summed alone."""
     return (engine.reduce == "allreduce" and not engine.deterministic and engine.comm.size > 1
@@ -140,7 +144,7 @@ def unpacked(engine: Any, bucket: Bucket) -> bool:
             and any(p.numel() * p.element_size() >= engine.OWN_BYTES for p in bucket.params))
 
 
-def allreduce_into_shard(engine: Any, bucket: Bucket, buffer: Any) -> None:
+def allreduce_into_shard(engine: Engine, bucket: Bucket, buffer: Any) -> None:
     """The allreduce reducer with no packed copy of the bucket: a large gradient is summed in its own memory
     (as stage 0 does), the small ones together in `buffer`, and this rank copies its slice of each sum into
     `bucket.shard`; the `.grad`s are dropped. The same collectives in the same order on every rank."""
@@ -171,7 +175,7 @@ def allreduce_into_shard(engine: Any, bucket: Bucket, buffer: Any) -> None:
         _sum_and_keep(e, packed, parts, bucket, MPI)
 
 
-def _sum_and_keep(e: Any, buf: Any, parts: list[tuple[int, Any]], bucket: Bucket, MPI: Any) -> None:
+def _sum_and_keep(e: Engine, buf: Any, parts: list[tuple[int, Any]], bucket: Bucket, MPI: Any) -> None:
     """Sum `buf` over the ranks in place, then copy this rank's part of each (offset in the bucket, view of
     `buf`) into the shard."""
     e.count_wire(buf.numel(), buf.element_size())
@@ -182,51 +186,79 @@ def _sum_and_keep(e: Any, buf: Any, parts: list[tuple[int, Any]], bucket: Bucket
             bucket.shard[lo - bucket.lo:hi - bucket.lo].copy_(view[lo - at:hi - at])
 
 
-class ShardedState(Strategy):
-    """The ZeRO stage 1 or 2 strategy of `engine` (a GradSync)."""
+class Sharded(Strategy):
+    """What every ZeRO stage shares: gradients reduce-scattered into this rank's slices, which its optimizer
+    steps (`ShardedOptimizer`) and a checkpoint holds rank by rank."""
 
     COLLECTIVE = "reduce-scatter"
+    sharded = True
 
-    def __init__(self, engine: Any, stage: int):
-        self.engine = engine
-        self.stage = stage
-        self.eager = stage == 2  # free each bucket's gradients as soon as backward has filled it
-        self._pack_buffer: Any = None  # stage 2: the one buffer every bucket's gradients are packed into
+    @classmethod
+    def refuse(cls, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any]) -> None:
+        if hierarchical:
+            raise ConfigError(f"--zero {cls.stage} does not combine with --hierarchical (ZeRO reduce-scatters over "
+                              "all ranks at once): drop one of them")
+        if compress.partition(":")[0] in ("powersgd", "topk"):
+            raise ConfigError(f"--grad-compression {compress} does not combine with --zero {cls.stage} (ZeRO sums "
+                              "each rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
+        if reduce not in ZERO_REDUCERS:
+            raise ConfigError(f"--zero-reduce {reduce!r}: choose one of {', '.join(ZERO_REDUCERS)}")
+
+    def grad_tensors(self) -> list[Any]:
+        """This rank's reduced slices: all of the summed gradient it holds after `wait()`."""
+        return [b.shard for b in self.engine.buckets]
+
+    def owns(self, tensor: Any) -> bool:
+        return self.engine.owns(tensor)
+
+    def reduced(self, param: Any) -> Any:
+        """This rank's slice of `param`'s summed gradient (flat), for a parameter that is a bucket alone (given
+        as `alone`)."""
+        bucket = self.engine.bucket_of(param)
+        if len(bucket.params) != 1:
+            raise ValueError("GradSync.reduced: at ZeRO stages 1-3 the parameter shares its bucket; pass it as `alone`")
+        return bucket.shard
+
+    def optimizer(self, optimizer: Any) -> Any:
+        """`optimizer` stepping only this rank's slices (the parameters are allgathered after its step)."""
+        return ShardedOptimizer(optimizer, self.engine)
+
+
+class ShardedState(Sharded):
+    """The ZeRO stage 1 strategy of `engine` (a GradSync): gradients held as the allreduce holds them, each
+    bucket reduce-scattered into this rank's slice, the optimizer state sharded."""
+
+    stage = 1
+
+    @classmethod
+    def footprint(cls, cut: Cut) -> Footprint:
+        """Whole parameters and gradients, and the reduced slice beside them; optimizer state for the slices."""
+        return Footprint(params=cut.total, grads=cut.total + cut.owned, state=cut.owned, pieces=cut.owned_params)
 
     def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
         """Flat parameter memory for each bucket (its parameters become views into it), this rank's reduced
-        gradient slice, and at stage 1 the flat gradient bucket; each parameter of `alone` a bucket by itself."""
+        gradient slice, and (`_hold_grads`) the stage's own gradient memory; each parameter of `alone` a bucket
+        by itself."""
         e = self.engine
         buckets = []
         for index, group in enumerate(assign_buckets(ordered, bucket_mb, e.OWN_BYTES, alone)):
             bucket = sharded_bucket(index, group, e.comm.size, e.comm.rank, e.dtype, e.device)
-            if self.stage == 1:  # gradients as the allreduce holds them: a large one alone, small ones packed
-                owned = owned_bucket(index, group, e.dtype, e.device)
-                bucket.flat, bucket.views, bucket.own = owned.flat, owned.views, owned.own
+            self._hold_grads(bucket, index, group)
             bucket.param_flat = flatten_params(bucket, e.dtype, e.device)
             bucket.owned = bucket.param_flat[bucket.lo:bucket.hi]
             buckets.append(bucket)
         return buckets
 
+    def _hold_grads(self, bucket: Bucket, index: int, group: list[Any]) -> None:
+        """Gradients as the allreduce holds them: a large one alone, small ones packed into a flat bucket."""
+        e = self.engine
+        owned = owned_bucket(index, group, e.dtype, e.device)
+        bucket.flat, bucket.views, bucket.own = owned.flat, owned.views, owned.own
+
     # -- after backward --------------------------------------------------------------------------------
     def reduce(self, bucket: Bucket) -> None:
-        if self.stage == 1:
-            bind_bucket(bucket)
-            reduce_into_shard(self.engine, bucket.flat, bucket)
-        elif unpacked(self.engine, bucket):
-            allreduce_into_shard(self.engine, bucket, self.pack_buffer())
-        else:
-            reduce_into_shard(self.engine, pack(bucket, self.pack_buffer()), bucket)  # the packed copy is freed
-
-    def pack_buffer(self) -> Any:
-        """The one buffer a multi-parameter bucket's gradients are packed into (allocated on first use)."""
-        import torch
-
-        if self._pack_buffer is None:
-            e = self.engine
-            largest = max((b.numel for b in e.buckets if len(b.params) > 1), default=0)
-            self._pack_buffer = torch.empty(largest, dtype=e.dtype, device=e.device)
-        return self._pack_buffer
+        bind_bucket(bucket)
+        reduce_into_shard(self.engine, bucket.flat, bucket)
 
     # -- after the optimizer step (the "before forward" of stages 1 and 2) -------------------------------
     def after_step(self) -> None:
@@ -241,20 +273,57 @@ class ShardedState(Strategy):
             if host is not flat:
                 flat.copy_(host)
 
-    # -- what a step holds -------------------------------------------------------------------------------
-    def grad_tensors(self) -> list[Any]:
-        """This rank's reduced slices: all of the summed gradient it holds after `wait()`."""
-        return [b.shard for b in self.engine.buckets]
+    # -- what a step holds ---------------------------------------------------------------------------------
+    def grad_bytes(self) -> int:
+        """Bytes of gradient memory this rank holds now: the flat buckets and reduced slices."""
+        buckets = self.engine.buckets
+        held = sum(b.shard.numel() * b.shard.element_size() for b in buckets)
+        held += sum(b.flat.numel() * b.flat.element_size() for b in buckets if b.flat is not None and not b.own)
+        return held + sum(p.numel() * p.element_size() for b in buckets if b.own for p in b.params)
+
+
+class ShardedGradients(ShardedState):
+    """The ZeRO stage 2 strategy: as stage 1, but no gradient memory of its own; each bucket's gradients are
+    packed and reduce-scattered as soon as backward has filled it, and dropped."""
+
+    stage = 2
+    eager = True  # free each bucket's gradients as soon as backward has filled it
+    packs = True
+
+    def __init__(self, engine: Engine, module: Any = None):
+        super().__init__(engine, module)
+        self._pack_buffer: Any = None  # the one buffer every bucket's gradients are packed into
+
+    @classmethod
+    def footprint(cls, cut: Cut) -> Footprint:
+        """Whole parameters; of the gradients the reduced slice and the one buffer a bucket is packed into."""
+        return Footprint(params=cut.total, grads=cut.owned + cut.packed, state=cut.owned, pieces=cut.owned_params)
+
+    def _hold_grads(self, bucket: Bucket, index: int, group: list[Any]) -> None:
+        """None: autograd's gradients live until their bucket is packed."""
+
+    def reduce(self, bucket: Bucket) -> None:
+        if unpacked(self.engine, bucket):
+            allreduce_into_shard(self.engine, bucket, self.pack_buffer())
+        else:
+            reduce_into_shard(self.engine, pack(bucket, self.pack_buffer()), bucket)  # the packed copy is freed
+
+    def pack_buffer(self) -> Any:
+        """The one buffer a multi-parameter bucket's gradients are packed into (allocated on first use)."""
+        import torch
+
+        if self._pack_buffer is None:
+            e = self.engine
+            largest = max((b.numel for b in e.buckets if len(b.params) > 1), default=0)
+            self._pack_buffer = torch.empty(largest, dtype=e.dtype, device=e.device)
+        return self._pack_buffer
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient memory this rank holds now: flat buckets (stage 1), reduced slices, and any
-        `.grad` not yet packed and the packing buffer (stage 2)."""
+        """Bytes of gradient memory this rank holds now: reduced slices, any `.grad` not yet packed and the
+        packing buffer."""
         buckets = self.engine.buckets
         held = sum(b.shard.numel() * b.shard.element_size() for b in buckets)
         if self._pack_buffer is not None:
             held += self._pack_buffer.numel() * self._pack_buffer.element_size()
-        if self.stage == 1:
-            held += sum(b.flat.numel() * b.flat.element_size() for b in buckets if b.flat is not None and not b.own)
-            return held + sum(p.numel() * p.element_size() for b in buckets if b.own for p in b.params)
         return held + sum(p.grad.numel() * p.grad.element_size() for b in buckets for p in b.params
                           if p.grad is not None)

@@ -48,65 +48,11 @@ from typing import Any, Iterator
 
 from ..base.errors import CommError
 from ..base.hostmem import MMAP_THRESHOLD, give_back_freed_memory
-from .buckets import Bucket, Strategy, flatten_params, pack, sharded_bucket
+from ..base.errors import ConfigError
+from .buckets import Bucket, Cut, Engine, Footprint, flatten_params, pack, sharded_bucket
 from .released import mark_gathered, mark_released, name_parameters
-from .zero import allreduce_into_shard, reduce_into_shard, staging, unpacked
-
-CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
-
-
-def unit_modules(root: Any) -> list[Any]:
-    """The modules that are units of `root`, in registration order: the elements of its containers."""
-    import torch
-
-    kinds = tuple(getattr(torch.nn, name) for name in CONTAINERS)
-    units: list[Any] = []
-
-    def elements(container: Any) -> None:
-        for element in container.children():
-            if isinstance(element, kinds):
-                elements(element)
-            elif any(True for _ in element.parameters()) and all(element is not u for u in units):
-                units.append(element)
-
-    def visit(module: Any) -> None:
-        for child in module.children():
-            if isinstance(child, kinds):
-                elements(child)
-            else:
-                visit(child)
-
-    if isinstance(root, kinds):
-        elements(root)
-    else:
-        visit(root)
-    return units
-
-
-def group_by_unit(root: Any, ordered: list[Any]) -> list[tuple[list[Any], Any]]:
-    """`ordered` (trainable parameters, backward order) grouped into units: [(parameters, unit module)],
-    units in reverse registration order, then the root's own (module `root`), empty groups left out."""
-    units = unit_modules(root)
-    owner: dict[int, int | None] = {}
-    inside: set[int] = set()
-    for i, unit in enumerate(units):
-        inside.update(id(m) for m in unit.modules())
-        for p in unit.parameters():
-            owner[id(p)] = i if owner.get(id(p), i) == i else None  # in two units: the root's
-    for module in root.modules():
-        if id(module) not in inside:
-            for p in module._parameters.values():
-                if p is not None:
-                    owner[id(p)] = None  # registered outside every unit too (a tied weight): the root's
-    groups: list[list[Any]] = [[] for _ in units] + [[]]
-    for p in ordered:
-        index = owner.get(id(p))
-        groups[len(units) if index is None else index].append(p)
-    modules = [*units, root]
-    out = [(groups[i], modules[i]) for i in reversed(range(len(units)))]
-    out.append((groups[-1], root))
-    return [(group, module) for group, module in out if group]
-
+from .units import group_by_unit
+from .zero import Sharded, allreduce_into_shard, reduce_into_shard, staging, unpacked
 
 def _tensors(obj: Any) -> Iterator[Any]:
     """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
@@ -174,15 +120,18 @@ class Unit:
         self.mapped = flat.device.type == "cpu" and bucket.numel * flat.element_size() > MMAP_THRESHOLD
 
 
-class ShardedParams(Strategy):
+class ShardedParams(Sharded):
     """The ZeRO stage 3 strategy of `engine` (a GradSync) over `module`."""
 
     stage = 3
-    COLLECTIVE = "reduce-scatter"
     eager = True  # free each unit's gradients (and parameters) as soon as its backward is done
+    holds_whole_model = False
+    gathers_in_forward = True
+    packs = True
+    watches_accumulation = True  # a unit is released once an accumulation's micro-batch has its gradients
 
-    def __init__(self, engine: Any, module: Any):
-        self.engine, self.module = engine, module
+    def __init__(self, engine: Engine, module: Any):
+        super().__init__(engine, module)
         self.units: list[Unit] = []
         self.order: list[Unit] = []  # units in the order of the first forward
         self.recording = True
@@ -191,6 +140,34 @@ class ShardedParams(Strategy):
         self.wait_seconds = 0.0  # spent by forward and backward waiting for a unit's gather: what prefetch hides
         self._copies: Any = None  # staged: the CUDA stream that copies the owned slices to the host
         self._stepped: Any = None  # staged: a CUDA event recorded after the optimizer's step (on its stream)
+
+    @classmethod
+    def refuse(cls, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any]) -> None:
+        super().refuse(compress, hierarchical, reduce, module, alone)
+        if module is None:
+            raise ConfigError("--zero 3 shards the parameters by module: give the model (module=model), not only "
+                              "its parameters")
+        if alone:
+            raise ConfigError("--zero 3 keeps each module's parameters in one bucket, so no parameter can be reduced "
+                              "alone (a pipeline's tied embedding/head asks for that): use --zero 2")
+
+    @classmethod
+    def plan_groups(cls, model: Any, ordered: list[Any], bucket_mb: float, own_bytes: int) -> list[tuple[list[Any], Any]]:
+        """One bucket per unit, with its module (`group_by_unit`)."""
+        return group_by_unit(model, ordered)
+
+    @classmethod
+    def footprint(cls, cut: Cut) -> Footprint:
+        """The slices of parameters, gradients and optimizer state; during a step, on more than one rank, the
+        root unit throughout, two others (one prefetched), and the gradients of the unit being reduced, whole
+        until they are summed."""
+        gathered = 0
+        if cut.world > 1:
+            root = sum(n for n, is_root in zip(cut.numels, cut.root) if is_root)
+            others = sorted((n for n, is_root in zip(cut.numels, cut.root) if not is_root), reverse=True)
+            gathered = root + sum(others[:2]) + max(cut.numels)
+        return Footprint(params=cut.owned, grads=cut.owned, state=cut.owned, pieces=cut.owned_params,
+                         gathered=gathered)
 
     def build(self, ordered: list[Any], bucket_mb: float, alone: list[Any]) -> list[Bucket]:
         """A bucket per unit: its parameters become views into the bucket's flat memory, this rank keeps a copy
@@ -420,7 +397,7 @@ class ShardedParams(Strategy):
             if unit.state == "gathered":
                 self._release(unit)
 
-    def whole(self, model: Any) -> Iterator[tuple[str, Any]]:
+    def state_items(self, model: Any) -> Iterator[tuple[str, Any]]:
         """(key, parameter or buffer) of `model.state_dict()` in order, each unit gathered while its keys are read and
         released after (the root's until the end): the whole model, never more than one unit of it at once
         beside the root. Collective: every rank iterates to the end."""
@@ -459,9 +436,6 @@ class ShardedParams(Strategy):
             unit.on_host = False
 
     # -- what a step holds -------------------------------------------------------------------------------
-    def grad_tensors(self) -> list[Any]:
-        return [b.shard for b in self.engine.buckets]
-
     def grad_bytes(self) -> int:
         buckets = self.engine.buckets
         held = sum(b.shard.numel() * b.shard.element_size() for b in buckets)

@@ -22,7 +22,6 @@ import weakref
 from typing import Any
 
 from ..base.errors import CheckpointError, ConfigError
-from .gradsync import GradSync
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
 """torch.optim classes whose update is elementwise, so that stepping slices equals stepping tensors."""
@@ -46,7 +45,7 @@ class ShardedOptimizer:
     is re-sliced) stepping only this rank's slices, then allgathering the parameters. From here on its param
     groups hold this rank's slices of the parameters (`inner` is `optimizer`): step it through this object."""
 
-    def __init__(self, optimizer: Any, sync: GradSync):
+    def __init__(self, optimizer: Any, sync: Any):
         kind = type(optimizer)
         if not kind.__module__.startswith("torch.optim") or kind.__name__ not in ELEMENTWISE:
             raise ConfigError(

@@ -105,10 +105,8 @@ class Parallel:
         sync.zero()
         scale = setup.loss_scale()
         bounds = np.linspace(0, len(y), self.micro * setup.accumulate + 1).astype(int).tolist()
-        sync.enabled = False
-        loss = self.pipeline.step(x, y, bounds, scale / global_n, step=step,
-                                  last_backward=lambda: setattr(sync, "enabled", True))
-        sync.enabled = True
+        with sync.no_sync() as last_backward:  # the pipeline's last backward reduces
+            loss = self.pipeline.step(x, y, bounds, scale / global_n, step=step, last_backward=last_backward)
         t0 = time.perf_counter()
         sync.wait()
         for param in self.tied:  # the embedding's gradient on the first stage plus the head's on the last

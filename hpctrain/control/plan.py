@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..base.errors import ConfigError
-from ..comm.buckets import assign_buckets, shard_bounds, trainable_in_backward_order
-from ..comm.zero3 import group_by_unit
+from ..comm import strategy_class
+from ..comm.buckets import Cut, shard_bounds, trainable_in_backward_order
 
 GRAD_OWN_BYTES = 1 << 18  # as GradSync.OWN_BYTES: a gradient this large is a bucket alone
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4}  # optimizer state per element (SGD: its momentum buffer)
@@ -129,30 +129,25 @@ def plan(model: Any, *, world: int, zero: int, optimizer: str, activations: int,
          bucket_mb: float = 25.0, momentum: float = 0.9, runtime: int | None = None, data: int = 0) -> Plan:
     """The plan of `model` (on any device, meta included) at ZeRO `zero` on `world` ranks; `activations` are
     the bytes autograd saves for one micro-batch in fp32 (`saved_bytes`), `data` what the readers hold."""
-    if zero not in (0, 1, 2, 3) or world < 1:
-        raise ConfigError(f"plan: --zero {zero!r} must be 0-3 and --world {world!r} at least 1")
+    if world < 1:
+        raise ConfigError(f"plan: --world {world!r} must be at least 1")
+    stage = strategy_class(zero)
     ordered = trainable_in_backward_order(model.parameters())
     size = ordered[0].element_size()
     total = sum(p.numel() for p in ordered)
-    units = group_by_unit(model, ordered) if zero == 3 else []
-    groups = [g for g, _ in units] if zero == 3 else assign_buckets(ordered, bucket_mb, GRAD_OWN_BYTES)
+    units = stage.plan_groups(model, ordered, bucket_mb, GRAD_OWN_BYTES)
+    groups = [g for g, _ in units]
     numels = [sum(p.numel() for p in g) for g in groups]
-    owned = sum(shard_bounds(n, world)[0][1] for n in numels)  # rank 0: the largest slices
-    segments = sum(len(_owned_params(g, world)) for g in groups) if zero else len(ordered)
-    packed = max((n for g, n in zip(groups, numels) if len(g) > 1), default=0) * size
+    held = stage.footprint(Cut(
+        total=total, owned=sum(shard_bounds(n, world)[0][1] for n in numels),  # rank 0: the largest slices
+        packed=max((n for g, n in zip(groups, numels) if len(g) > 1), default=0),
+        numels=numels, root=[module is model for _, module in units], params=len(ordered),
+        owned_params=sum(len(_owned_params(g, world)) for g in groups), world=world))
     per_element = 0 if optimizer == "sgd" and not momentum else STATE_BYTES.get(optimizer, 8)
-    params = owned * size if zero == 3 else total * size
-    grads = {0: total * size, 1: total * size + owned * size, 2: owned * size + packed}.get(zero, owned * size)
-    steps = 4 * segments if optimizer in ("adam", "adamw") else 0
-    state = per_element * (owned if zero else total) + steps
-    gathered = 0
-    if zero == 3 and world > 1:  # the root unit throughout a step, two others (one prefetched), and the
-        # gradients of the unit being reduced, whole until they are summed
-        root = sum(n for n, (_, module) in zip(numels, units) if module is model)
-        others = sorted((n for n, (_, module) in zip(numels, units) if module is not model), reverse=True)
-        gathered = (root + sum(others[:2]) + max(numels)) * size
+    steps = 4 * held.pieces if optimizer in ("adam", "adamw") else 0
+    state = per_element * held.state + steps
     act = activations if precision == "fp32" else activations // 2 + 2 * total
-    return Plan(zero, world, params, grads, state, gathered, act, total * size,
+    return Plan(zero, world, held.params * size, held.grads * size, state, held.gathered * size, act, total * size,
                 runtime if runtime is not None else runtime_bytes(),
                 {"parameters": total, "buckets": len(groups), "largest_bucket": max(numels) * size}, data)
 
@@ -305,7 +300,7 @@ def table(spec: str, *, world: int, zero: int | None, optimizer: str, precision:
             f"{'stage':>5}  {'params':>10}  {'grads':>10}  {'optimizer':>10}  {'gathered':>10}  {'activations':>11}"
             f"  {'p+g+o':>10}  {'peak':>10}"]
     for p in plans:
-        mark = " <" if zero == p.stage else ""
+        mark = {zero: " <"}.get(p.stage, "")  # the stage asked for
         rows.append(f"{p.stage:>5}  {human(p.params):>10}  {human(p.grads):>10}  {human(p.optimizer):>10}  "
                     f"{human(p.gathered):>10}  {human(p.activations):>11}  {human(p.state):>10}  {human(p.peak):>10}{mark}")
     rows.append(f"peak = runtime {human(plans[0].runtime)} + the larger of start-up (the whole model, "

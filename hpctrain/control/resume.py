@@ -22,7 +22,7 @@ from ..checkpoint import state as ckptstate
 from ..base.config import TrainConfig
 from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
-from ..comm import Comm
+from ..comm import Comm, zero_settings
 from ..data.shardformat import ShardSet
 from ..checkpoint.loader import Loaded, open_checkpoint
 from ..checkpoint.resume import refuse_misfit, restore_own, resumed_line, shapes_of
@@ -86,7 +86,7 @@ def kept_reducer(zero: ZeroConfig, state: Loaded | None, world: int) -> str | No
 
     auto times the reducers at start-up and keeps the fastest; on 3 or more ranks they sum in different
     orders, so a resume that chose anew could continue with other bits than the run it resumes."""
-    if zero.zero_reduce != "auto" or state is None or state.meta.get("world_size") != world:
+    if zero_settings(zero)[1] != "auto" or state is None or state.meta.get("world_size") != world:
         return None
     return state.meta.get("zero_reduce")
 

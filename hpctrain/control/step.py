@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Comm, GradSync, ShardedOptimizer
+from ..comm import Comm, GradSync, zero_settings
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..trace.spans import TRACER
@@ -81,25 +81,26 @@ def train_step(setup: StepSetup, x: np.ndarray, y: np.ndarray, global_n: int, *,
     scale = setup.loss_scale()
     accumulate = setup.accumulate
     bounds = np.linspace(0, len(y), accumulate + 1).astype(int) if accumulate > 1 else (0, len(y))
-    for i in range(len(bounds) - 1):
-        lo, hi = bounds[i], bounds[i + 1]
-        sync.enabled = i == len(bounds) - 2
-        if hi == lo and sync.stage != 3:  # ZeRO 3 gathers parameters in forward: every rank runs every one
-            continue
-        xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
-        if xt.dtype != torch.float32 and xt.dtype != torch.int64:  # int64: token ids
-            xt = xt.float()
-        yt = torch.from_numpy(y[lo:hi]).to(device, non_blocking=True)
-        with autocast(device, precision):
-            out = model(xt)
-        if out.dim() > 2:  # a language model: logits (batch, tokens, vocabulary), one target per token
-            out, yt = out.reshape(-1, out.shape[-1]), yt.reshape(-1)
-        loss_sum = loss_fn(out.float(), yt)
-        clock.lap("forward")
-        (loss_sum * (scale / global_n)).backward()
-        loss_value += float(loss_sum.detach())
-        clock.lap("backward")
-    sync.enabled = True
+    with sync.no_sync() as last_backward:  # only the last micro-batch's backward reduces
+        for i in range(len(bounds) - 1):
+            lo, hi = bounds[i], bounds[i + 1]
+            if i == len(bounds) - 2:
+                last_backward()
+            if hi == lo and not sync.strategy.gathers_in_forward:  # else a forward is a collective: every rank runs every one
+                continue
+            xt = torch.from_numpy(x[lo:hi]).to(device, non_blocking=True)
+            if xt.dtype != torch.float32 and xt.dtype != torch.int64:  # int64: token ids
+                xt = xt.float()
+            yt = torch.from_numpy(y[lo:hi]).to(device, non_blocking=True)
+            with autocast(device, precision):
+                out = model(xt)
+            if out.dim() > 2:  # a language model: logits (batch, tokens, vocabulary), one target per token
+                out, yt = out.reshape(-1, out.shape[-1]), yt.reshape(-1)
+            loss_sum = loss_fn(out.float(), yt)
+            clock.lap("forward")
+            (loss_sum * (scale / global_n)).backward()
+            loss_value += float(loss_sum.detach())
+            clock.lap("backward")
     sync.wait()
     clock.lap("wait")
     # a sharded optimizer clips its slices; otherwise torch clips the whole model, which every rank holds
@@ -217,10 +218,11 @@ def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: A
     parameter of `alone` is a bucket by itself (a pipeline's tied embedding/head, whose reduced gradient is then
     summed between two stages)."""
     optimizer = make_optimizer(opt, model.parameters())
-    sync = GradSync(model.parameters(), comm, stage=zero.zero, module=model, bucket_mb=wire.bucket_mb,
+    stage, reducer = zero_settings(zero)
+    sync = GradSync(model.parameters(), comm, stage=stage, module=model, bucket_mb=wire.bucket_mb,
                     overlap=overlap, compress=wire.grad_compression, hierarchical=wire.hierarchical,
-                    deterministic=wire.deterministic, reduce=reduce or zero.zero_reduce, alone=alone)
-    return sync, (ShardedOptimizer(optimizer, sync) if zero.zero else optimizer)
+                    deterministic=wire.deterministic, reduce=reduce or reducer, alone=alone)
+    return sync, sync.strategy.optimizer(optimizer)
 
 
 def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,

@@ -27,7 +27,7 @@ from typing import Any
 from ..checkpoint import manager as ckpt
 from . import hybrid, lm, resume, runlog
 from . import plan as memplan
-from ..comm import Comm, world
+from ..comm import Comm, strategy_class, world, zero_settings
 from ..base.config import TrainConfig
 from ..base.sections import CommConfig, LoggingConfig, OptimizerConfig, ParallelConfig, ZeroConfig
 from ..data import staging
@@ -263,7 +263,8 @@ def _build(cfg: TrainConfig, comm: Comm, env: RankEnv, log: logging.Logger, watc
     if cfg.max_steps:
         total_steps = min(total_steps, max(cfg.max_steps, start.step))
     overlap = cfg.overlap if cfg.overlap is not None else auto_overlap(device.type)
-    with watchdog.waiting("start-up: gradient sync" + (" (ZeRO times its collectives here)" if cfg.zero else ""),
+    sharded = strategy_class(zero_settings(cfg.section(ZeroConfig))[0]).sharded
+    with watchdog.waiting("start-up: gradient sync" + (" (ZeRO times its collectives here)" if sharded else ""),
                           start.step):
         kept = resume.kept_reducer(cfg.section(ZeroConfig), start.state, comm.size)
         sync, optimizer = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig),
@@ -345,7 +346,7 @@ def _log_window(run: Run, sink: RunLog, out: Outcome, epoch: int, end_of_epoch: 
         started = time.perf_counter()
         watchdog.at_edge(edge_budget(run.cfg.collective_timeout))  # its reduction waits for the slowest rank's pass
         out.last_val = run.par.evaluate(run.model, run.val_reader, watchdog=watchdog, step=out.step,
-                                        precision=run.cfg.precision, every_batch=run.cfg.zero == 3)
+                                        precision=run.cfg.precision, every_batch=run.sync.strategy.gathers_in_forward)
         watchdog.at_edge(None)
         out.last_val.update(run.rates.validation(out.last_val))
         out.val_step = out.step
@@ -387,7 +388,7 @@ def _finish(run: Run, sink: RunLog, out: Outcome) -> dict[str, Any]:
     samples_per_s = out.samples / max(train_time - paused, 1e-9) if out.samples else None
     if out.val_step != step and run.val_reader is not None:  # the final model's, not an earlier epoch's
         out.last_val = run.par.evaluate(run.model, run.val_reader, watchdog=watchdog, step=step, precision=cfg.precision,
-                                        every_batch=cfg.zero == 3)
+                                        every_batch=run.sync.strategy.gathers_in_forward)
         out.last_val.update(run.rates.validation(out.last_val))
     traced = run.timeline.close()  # with --trace: RUN/trace.json and the straggler verdict (rank 0)
     with watchdog.waiting("memory reductions", step):

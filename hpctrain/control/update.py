@@ -36,7 +36,7 @@ class StepSetup:
 
     def loss_scale(self) -> float:
         """This step's loss scale (1 without fp16), told to the gradient sync too: its sums carry it."""
-        self.sync.loss_scale = self.scaler.scale if self.scaler is not None else None
+        self.sync.set_loss_scale(self.scaler.scale if self.scaler is not None else None)
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def update(self, comm: Any, clip: Callable[[float], None]) -> bool:

@@ -127,7 +127,7 @@ def test_bad_zero_settings_fail_in_one_line_before_anything_is_written(tmp_path,
 
 def test_zero_3_units_are_the_elements_of_containers_and_a_weight_used_twice_is_the_root_s() -> None:
     from hpctrain.comm.buckets import trainable_in_backward_order
-    from hpctrain.comm.zero3 import group_by_unit
+    from hpctrain.comm.units import group_by_unit
     from hpctrain.compute.gpt import GPT
 
     gpt = GPT(11, 8, layers=3, dim=16, heads=2)

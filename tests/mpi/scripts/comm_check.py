@@ -63,9 +63,8 @@ def run(mode: str, comm: Comm, device: str = "cpu") -> GradSync:
         x = torch.randn(8, 16).to(device)
         if mode == "accumulate":
             # two micro-batches whose gradients add up to the full one; sync only on the last
-            sync.enabled = False
-            (model(x[:3]).pow(2).mean() * (rank + 1) * 3 / 8).backward()
-            sync.enabled = True
+            with sync.no_sync():
+                (model(x[:3]).pow(2).mean() * (rank + 1) * 3 / 8).backward()
             (model(x[3:]).pow(2).mean() * (rank + 1) * 5 / 8).backward()
         else:
             (model(x).pow(2).mean() * (rank + 1)).backward()

@@ -22,7 +22,7 @@ def run(spec: str, scaler: LossScaler | None, overflow_at: int | None) -> list[t
     for step, g in enumerate(grads):
         sync.zero()
         scale = scaler.scale if scaler is not None else 1.0
-        sync.loss_scale = scale if scaler is not None else None
+        sync.set_loss_scale(scale if scaler is not None else None)
         g = g * scale
         if step == overflow_at and comm.rank == 1:
             g[0, 0] = math.inf  # rank 1 alone overflows
