@@ -207,9 +207,9 @@ def make_optimizer(cfg: OptimizerConfig, params: Any) -> Any:
 
     params = list(params)
     fused = {"fused": True} if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
-    if cfg.optimizer == "sgd":
+    if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **fused)
-    if cfg.optimizer == "adam":
+    if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
 
@@ -223,10 +223,10 @@ def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: A
     parameter of `alone` is a bucket by itself (a pipeline's tied embedding/head, whose reduced gradient is then
     summed between two stages)."""
     optimizer = make_optimizer(opt, model.parameters())
-    sync = GradSync(model.parameters(), comm, stage=zero.zero, module=model, bucket_mb=wire.bucket_mb,
+    sync = GradSync(model.parameters(), comm, stage=zero.stage, module=model, bucket_mb=wire.bucket_mb,
                     overlap=overlap, compress=wire.grad_compression, hierarchical=wire.hierarchical,
-                    deterministic=wire.deterministic, reduce=reduce or zero.zero_reduce, alone=alone)
-    return sync, (ShardedOptimizer(optimizer, sync) if zero.zero else optimizer)
+                    deterministic=wire.deterministic, reduce=reduce or zero.reduce, alone=alone)
+    return sync, (ShardedOptimizer(optimizer, sync) if zero.stage else optimizer)
 
 
 def evaluate(model: Any, reader: ShardReader, comm: Comm, *, watchdog: Watchdog | None = None,

@@ -233,14 +233,14 @@ def _scaling(comm: Comm, model: Any, sync: GradSync, opt: Any, loss_fn: Any, xs:
 
 def _sync_and_optimizer(model: Any, comm: Comm, zero: int, optimizer: str, **sync_args: Any) -> tuple[Any, Any]:
     """The gradient sync and optimizer `hpctrain train` builds for `--zero`, `--optimizer` (lr 0.01)."""
-    from ..base.config import TrainConfig
-    from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
+    from ..base.config import check_across
+    from ..base.sections import CommConfig, OptimizerConfig, ParallelConfig, ZeroConfig
     from ..control.step import make_sync
 
-    cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer, lr=0.01, zero=zero,
-                      bucket_mb=sync_args["bucket_mb"], grad_compression=sync_args["compress"])
-    return make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
-                     sync_args["overlap"])
+    wire = CommConfig(bucket_mb=sync_args["bucket_mb"], grad_compression=sync_args["compress"])
+    sharding = ZeroConfig(stage=zero)
+    check_across(sharding, wire, ParallelConfig(), rows=1, staged=False)
+    return make_sync(wire, sharding, OptimizerConfig(name=optimizer, lr=0.01), model, comm, sync_args["overlap"])
 
 
 def _memory(comm: Comm, model: Any, sync: Any, opt: Any) -> dict[str, float]:

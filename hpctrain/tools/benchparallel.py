@@ -42,12 +42,10 @@ def _whole_bytes(model: Any, optimizer_name: str) -> int:
     (so that the state exists): what one rank of plain data parallelism holds."""
     import torch
 
-    from ..base.config import TrainConfig
     from ..base.sections import OptimizerConfig
     from ..control.step import make_optimizer
 
-    cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer_name, lr=0.01)
-    opt = make_optimizer(cfg.section(OptimizerConfig), model.parameters())
+    opt = make_optimizer(OptimizerConfig(name=optimizer_name, lr=0.01), model.parameters())
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -66,7 +64,7 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
     """The measurements of the module docstring, on every rank of `comm` split as (W / (tp pp), tp, pp)."""
     import torch
 
-    from ..base.config import TrainConfig
+    from ..base.config import check_across
     from ..base.rankenv import read_env
     from ..base.sections import CommConfig, OptimizerConfig, ParallelConfig, ZeroConfig
     from ..control import hybrid
@@ -77,9 +75,9 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
-    cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer, lr=0.01, zero=zero, bucket_mb=bucket_mb,
-                      grad_compression=compress, tp=tp, pp=pp, micro_batches=micro_batches,
-                      pipeline_schedule=schedule, batch_size=batch_size)
+    wire, sharding = CommConfig(bucket_mb=bucket_mb, grad_compression=compress), ZeroConfig(stage=zero)
+    split = ParallelConfig(tp=tp, pp=pp, micro_batches=micro_batches, pipeline_schedule=schedule)
+    check_across(sharding, wire, split, rows=batch_size, staged=False)
     probe, _, _ = workload(0, model_spec, 1, input_dim, classes, seq_len, vocab)
     model = probe()
     layout = check_layout(comm.size, tp, pp, model_limits(model, model_spec))
@@ -88,11 +86,11 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
     whole = _whole_bytes(model, optimizer)
     _, xs, ys = workload(d, model_spec, batch_size, input_dim, classes, seq_len, vocab)  # a replica's rows
     progress("splitting the model")
-    par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device="cpu", precision="fp32",
+    par = hybrid.split(split, comm, layout, model, device="cpu", precision="fp32",
                        batch_rows=batch_size, row=xs[0][0])
     stage = par.model(model)
     del model
-    sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), stage,
+    sync, opt = make_sync(wire, sharding, OptimizerConfig(name=optimizer, lr=0.01), stage,
                           par.data, overlap if overlap is not None else auto_overlap("cpu"), alone=par.tied)
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     targets = ys[0].size * layout.data
