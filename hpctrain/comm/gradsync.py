@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from ..base.config import ZERO_REDUCERS, parse_grad_compression
+from ..base.config import ZeroConfig, parse_grad_compression, zero_refusal
 from ..base.errors import CommError, ConfigError
 from ..base.hostmem import give_back_freed_memory, reuse_freed_memory
 from ..base.threads import join_logged
@@ -45,20 +45,13 @@ from .zero3 import ShardedParams
 
 
 def refuse(stage: int, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any] = ()) -> None:
-    """What does not compose with ZeRO `stage`, refused in one line before anything is built."""
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ConfigError(f"ZeRO stage {stage!r} must be 0 (none), 1 (optimizer state), 2 (also gradients) or 3 "
-                          "(also parameters)")
-    if not stage:
-        return
-    if hierarchical:
-        raise ConfigError(f"--zero {stage} does not combine with --hierarchical (ZeRO reduce-scatters over all "
-                          "ranks at once): drop one of them")
-    if compress.partition(":")[0] in ("powersgd", "topk"):
-        raise ConfigError(f"--grad-compression {compress} does not combine with --zero {stage} (ZeRO sums each "
-                          "rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
-    if reduce not in ZERO_REDUCERS:
-        raise ConfigError(f"--zero-reduce {reduce!r}: choose one of {', '.join(ZERO_REDUCERS)}")
+    """What does not compose with ZeRO `stage`, refused in one line before anything is built: the config's
+    rules (a stage, a reducer, the gradient sums ZeRO cannot shard: base/config.py, the one place they are
+    written, for the library API that builds no TrainConfig), then what only the engine sees (the model)."""
+    ZeroConfig(stage=stage, reduce=reduce)
+    refusal = zero_refusal(stage, compress, hierarchical)
+    if refusal is not None:
+        raise refusal
     if stage == 3 and module is None:
         raise ConfigError("--zero 3 shards the parameters by module: give the model (module=model), not only "
                           "its parameters")
