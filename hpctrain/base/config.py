@@ -184,6 +184,20 @@ def zero_refusal(stage: int, grad_compression: str, hierarchical: bool) -> Confi
     return None
 
 
+def sections_of(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat names (`{"lr": 0.1, "zero": 1}`) as each section's keyword arguments (`{"optimizer": {"lr": 0.1},
+    "zero": {"stage": 1}, "run": {}, ...}`, every section present). An unknown name is refused, listing the
+    valid ones."""
+    unknown = sorted(k for k in values if k not in TRAIN_FLAT)
+    if unknown:
+        raise ConfigError(f"unknown training option(s) {', '.join(unknown)}: choose from {', '.join(TRAIN_FLAT)}")
+    parts: dict[str, dict[str, Any]] = {section: {} for section in TRAIN_SECTION_CLASSES}
+    for name, value in values.items():
+        section, key = TRAIN_FLAT[name]
+        parts[section][key] = value
+    return parts
+
+
 def check_across(zero: ZeroConfig, communication: CommConfig, parallel: ParallelConfig, *, rows: int,
                  staged: bool) -> None:
     """The checks that span sections (each section checks itself): ZeRO against the gradient sum and the model
@@ -235,13 +249,7 @@ class TrainConfig:
         keys upgraded; `extra` holds the keys no flag has. An unknown name is refused, listing the valid ones."""
         given = cls.upgrade(values)
         extra = dict(given.pop("extra", None) or {})
-        unknown = sorted(k for k in given if k not in TRAIN_FLAT)
-        if unknown:
-            raise ConfigError(f"unknown training option(s) {', '.join(unknown)}: choose from {', '.join(TRAIN_FLAT)}")
-        parts: dict[str, dict[str, Any]] = {}
-        for name, value in given.items():
-            section, key = TRAIN_FLAT[name]
-            parts.setdefault(section, {})[key] = value
+        parts = {section: kw for section, kw in sections_of(given).items() if kw}
         return cls(**{section: TRAIN_SECTION_CLASSES[section](**kw) for section, kw in parts.items()}, extra=extra)
 
     @classmethod

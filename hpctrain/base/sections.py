@@ -61,6 +61,12 @@ def _whole(name: str, value: object, least: int, what: str) -> None:
         raise ConfigError(f"{name} {value!r} must be {what}")
 
 
+def check_batch_size(value: object) -> None:
+    """DataConfig's check of --batch-size, also for the commands that take a batch size without data (`plan`,
+    `bench train`)."""
+    _whole("--batch-size", value, 1, "a whole number of at least 1")
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     """Where the run writes, how long it lasts and its seed."""
@@ -103,7 +109,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
-        _whole("--batch-size", self.batch_size, 1, "a whole number of at least 1")
+        check_batch_size(self.batch_size)
         if self.stage_to is not None and (not isinstance(self.stage_to, str) or not self.stage_to.strip()):
             raise ConfigError(f"--stage-to {self.stage_to!r} must name a node-local directory (e.g. /tmp or /dev/shm) "
                               "or be auto ($SLURM_TMPDIR, else $TMPDIR)")
@@ -117,7 +123,8 @@ class ModelConfig:
     """Which model, and the weights it starts from."""
 
     spec: str = "mlp"
-    """mlp, mlp:H1,H2[:dropout=P], cnn, module.path:factory or path/to/file.py:factory."""
+    """mlp, mlp:H1,H2[:dropout=P], cnn, gpt[:layers=L,dim=D,heads=H] (a language model, on token shards),
+    module.path:factory or path/to/file.py:factory."""
     init_weights: Path | None = None
     """A state_dict (.pt) to start from instead of a fresh initialization."""
 
@@ -325,20 +332,37 @@ TRAIN_SECTION_CLASSES: dict[str, type] = {
     "communication": CommConfig, "zero": ZeroConfig, "parallel": ParallelConfig, "precision": PrecisionConfig,
     "checkpoint": CheckpointConfig, "watchdog": WatchdogConfig, "logging": LoggingConfig, "trace": TraceConfig,
 }
-# the fields whose flat name (flag, TOML key, recorded config) is not the field's own: {(section, field): flat}
-_FLAT_NAMES = {("data", "path"): "data", ("model", "spec"): "model", ("optimizer", "name"): "optimizer",
-               ("zero", "stage"): "zero", ("zero", "reduce"): "zero_reduce", ("precision", "compute"): "precision",
-               ("trace", "window"): "trace"}
-# {flat name: (section, field)} for every field of every section, in section order
-TRAIN_FLAT: dict[str, tuple[str, str]] = {_FLAT_NAMES.get((section, f.name), f.name): (section, f.name)
-                                          for section, cls in TRAIN_SECTION_CLASSES.items() for f in fields(cls)}
-# {section: its flat names}: the keys of each `[table]` of a config file
+# {flat name: (section, field)}: every field of every section under the name its flag, its TOML key and the
+# recorded config use, in the order `--help`, the sweep keys and `to_dict()` list them. A field whose name would
+# repeat its section has one of its own (`zero.stage`), while its flat name stays (`--zero`). A test checks that
+# this table names every section field once.
+TRAIN_FLAT: dict[str, tuple[str, str]] = {
+    "data": ("data", "path"), "run_dir": ("run", "run_dir"), "model": ("model", "spec"), "epochs": ("run", "epochs"),
+    "max_steps": ("run", "max_steps"), "batch_size": ("data", "batch_size"), "lr": ("optimizer", "lr"),
+    "optimizer": ("optimizer", "name"), "momentum": ("optimizer", "momentum"),
+    "weight_decay": ("optimizer", "weight_decay"), "seed": ("run", "seed"), "schedule": ("optimizer", "schedule"),
+    "warmup": ("optimizer", "warmup"), "clip_grad": ("optimizer", "clip_grad"), "shuffle": ("data", "shuffle"),
+    "stage_to": ("data", "stage_to"), "keep_staged": ("data", "keep_staged"), "init_weights": ("model", "init_weights"),
+    "checkpoint_every": ("checkpoint", "checkpoint_every"), "mtbf_hours": ("checkpoint", "mtbf_hours"),
+    "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"), "bucket_mb": ("communication", "bucket_mb"),
+    "grad_compression": ("communication", "grad_compression"), "overlap": ("communication", "overlap"),
+    "accumulate": ("optimizer", "accumulate"), "hierarchical": ("communication", "hierarchical"),
+    "deterministic": ("communication", "deterministic"), "precision": ("precision", "compute"),
+    "zero": ("zero", "stage"), "zero_reduce": ("zero", "reduce"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
+    "micro_batches": ("parallel", "micro_batches"), "pipeline_schedule": ("parallel", "pipeline_schedule"),
+    "audit_samples": ("data", "audit_samples"), "collective_timeout": ("watchdog", "collective_timeout"),
+    "checkpoint_timeout": ("watchdog", "checkpoint_timeout"), "tensorboard": ("logging", "tensorboard"),
+    "log_every": ("logging", "log_every"), "json": ("logging", "json"), "progress": ("logging", "progress"),
+    "trace": ("trace", "window"),
+}
+_FLAT_OF = {where: flat for flat, where in TRAIN_FLAT.items()}
+# {section: its flat names, in the section's field order}: the keys of each `[table]` of a config file
 TRAIN_SECTIONS: dict[str, tuple[str, ...]] = {
-    name: tuple(flat for flat, (section, _) in TRAIN_FLAT.items() if section == name) for name in TRAIN_SECTION_CLASSES}
+    section: tuple(_FLAT_OF[(section, f.name)] for f in fields(cls)) for section, cls in TRAIN_SECTION_CLASSES.items()}
 
 
-def train_options(sections: tuple[str, ...] | None = None) -> dict[str, tuple[type, Field]]:
-    """{flat name: (section class, its field)} of the sections named (all when None), in section order: what
-    the commands that take training options (`train`, `bench train`, `plan`) generate them from."""
+def train_options(names: tuple[str, ...] | None = None) -> dict[str, tuple[type, Field]]:
+    """{flat name: (section class, its field)} of the flat `names` (all, in section order, when None): what the
+    commands that take training options (`train`, `bench train`, `plan`) generate their options from."""
     by_class = {(section, f.name): (cls, f) for section, cls in TRAIN_SECTION_CLASSES.items() for f in fields(cls)}
-    return {flat: by_class[where] for flat, where in TRAIN_FLAT.items() if sections is None or where[0] in sections}
+    return {flat: by_class[TRAIN_FLAT[flat]] for flat in (TRAIN_FLAT if names is None else names)}

@@ -64,13 +64,13 @@ def option_fields(source: Any) -> list[tuple[str, Any, Field, str]]:
 
 def config_parameters(source: Any, *, skip: tuple[str, ...] = (), arguments: tuple[str, ...] = (),
                       required: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
-                      flags: dict[str, str] | None = None,
-                      panels: dict[str, str] | None = None) -> list[inspect.Parameter]:
+                      flags: dict[str, str] | None = None, panels: dict[str, str] | None = None,
+                      defaults: dict[str, Any] | None = None) -> list[inspect.Parameter]:
     """One Typer parameter per option of `source` (a dataclass, or sections' fields: `option_fields`), in
-    order: `arguments` are positional, `required` options
-    may come from a config file instead (so they default to None here), `renamed` {old: new} adds the old
-    spelling as a hidden option, `flags` {field: "--flag"} names a flag differently from its field, `panels`
-    {field: title} groups the options of `--help` (by config section).
+    order: `arguments` are positional, `required` options may come from a config file instead (so they default
+    to None here), `renamed` {old: new} adds the old spelling as a hidden option, `flags` {field: "--flag"}
+    names a flag differently from its field, `panels` {field: title} groups the options of `--help` (by config
+    section), `defaults` {field: value} gives a command's own default (a benchmark's model; None: optional).
     A field with a default_factory, or a tuple, defaults to None here: `config_values` leaves it out."""
     options = option_fields(source)
     hints = {name: hint for name, hint, _, _ in options}
@@ -84,7 +84,8 @@ def config_parameters(source: Any, *, skip: tuple[str, ...] = (), arguments: tup
             default: Any = inspect.Parameter.empty
         else:
             default = None if name in required or f.default is MISSING or isinstance(f.default, tuple) else f.default
-            if name in required:
+            default = (defaults or {}).get(name, default)
+            if name in required or (name in (defaults or {}) and default is None):
                 hint = Optional[hint]
             decls = [f"{flag(name)}/--no-{name.replace('_', '-')}"] if hint in (bool, Optional[bool]) else []
             decls = [(flags or {})[name]] if name in (flags or {}) else decls

@@ -264,14 +264,8 @@ def smallest_worlds(model: Any, activations: int, work: Workload, memory: int, *
 def table(spec: str, *, world: int, zero: int | None, optimizer: str, precision: str, batch_size: int,
           seq_len: int | None, data: Any, input_dim: int, classes: int, bucket_mb: float,
           memory: str | None) -> dict[str, Any]:
-    """What `hpctrain plan` prints: {"text": the table and what fits, "json": the same as data}."""
-    from ..base.config import OPTIMIZERS, PRECISIONS
-    from ..base.errors import one_of
-
-    if optimizer not in OPTIMIZERS:
-        raise one_of("--optimizer", optimizer, OPTIMIZERS)
-    if precision not in PRECISIONS:
-        raise one_of("--precision", precision, PRECISIONS)
+    """What `hpctrain plan` prints: {"text": the table and what fits, "json": the same as data}. The values are
+    checked by the command, through the sections of a training config."""
     limit = parse_memory(memory) if memory is not None else None
     data_bytes = None
     if data is not None:

@@ -88,3 +88,34 @@ def test_submit_builds_its_config_from_the_dataclass(tmp_path: Path) -> None:
     assert "#SBATCH --nodes=2" in script.splitlines() and {"export A=1", "export B=2"} <= set(script.splitlines())
     result = runner.invoke(app, ["submit", "--dry-run", "--folder", str(tmp_path), "--env", "1A=x", "--", "hostname"])
     assert result.exit_code == 2 and "--env '1A=x'" in result.output
+
+
+# options of `bench train` and `plan` spelled like a train flag but meaning something else there
+NOT_TRAINING = {"--json": "prints the command's own result as JSON", "--trace": "bench train's DIR for a timeline"}
+
+
+@pytest.mark.parametrize("command", ["bench train", "plan"])
+def test_the_training_options_of_bench_train_and_plan_are_the_sections_fields(command: str) -> None:
+    """Every option `bench train` and `plan` share with `train` is generated from the same section field: its
+    help is the field's, and its values are the section's (`--grad-compression` takes all five kinds, and a
+    bad one is refused by the section's check before anything starts)."""
+    from hpctrain.cli.reference import commands
+
+    by_name = dict(commands())
+    shared = {flag(name): doc for name, _, _, doc in option_fields(train_options())}
+    seen = []
+    for param in by_name[f"hpctrain {command}"].params:
+        for opt in [o for o in getattr(param, "opts", []) if o in shared and o not in NOT_TRAINING]:
+            assert " ".join((param.help or "").split()) == shared[opt], f"{command} {opt}: not the section's help"
+            seen.append(opt)
+    assert "--model" in seen and "--batch-size" in seen and "--zero" in seen and "--optimizer" in seen
+    if command == "bench train":
+        assert {"--grad-compression", "--bucket-mb", "--tp", "--pp", "--collective-timeout"} <= set(seen)
+        assert all(kind in shared["--grad-compression"] for kind in ("none", "fp16", "bf16", "powersgd", "topk"))
+        result = runner.invoke(app, ["bench", "train", "-n", "1", "--grad-compression", "int4"])
+        assert result.exit_code == 2 and "powersgd[:RANK]" in result.output and "topk" in result.output
+        result = runner.invoke(app, ["bench", "train", "-n", "1", "--zero", "2", "--grad-compression", "topk"])
+        assert result.exit_code == 2 and "does not combine with --zero 2" in result.output
+    else:
+        result = runner.invoke(app, ["plan", "--precision", "fp8"])
+        assert result.exit_code == 2 and "choose one of fp32, bf16, fp16" in result.output
