@@ -45,7 +45,6 @@ from hpctrain.compute.models import mlp  # noqa: E402
 from hpctrain.checkpoint import manager as ckpt  # noqa: E402
 from hpctrain.control.lm import flops_and_peak  # noqa: E402
 from hpctrain.control.precision import LossScaler  # noqa: E402
-from hpctrain.base.sections import CommConfig, OptimizerConfig, ZeroConfig  # noqa: E402
 from hpctrain.control.step import make_optimizer, make_sync, param_sha256, train_step  # noqa: E402
 from hpctrain.control.update import StepSetup  # noqa: E402
 from hpctrain.control.trainer import train  # noqa: E402
@@ -81,7 +80,7 @@ class Ctx:
 
     def cfg(self, **kw: Any) -> TrainConfig:
         """A TrainConfig for make_sync/make_optimizer (its data and run_dir are not used)."""
-        return TrainConfig(data=self.work, run_dir=self.work, **kw)
+        return TrainConfig.flat(data=self.work, run_dir=self.work, **kw)
 
     def check_staging(self, staging: bool, notes: list[str]) -> None:
         """On a GPU, the sync staged exactly when the variant says so (a failed CUDA-aware probe stages too)."""
@@ -169,7 +168,7 @@ def allreduce_path(mode: str) -> Callable[[Ctx], str]:
 
 def sync_for(cfg: TrainConfig, model: Any, comm: Comm) -> tuple[Any, Any]:
     """The sync and optimizer `hpctrain train` builds for `cfg` (overlapped), from its sections."""
-    return make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
+    return make_sync(cfg.communication, cfg.zero, cfg.optimizer, model, comm,
                      overlap=True)
 
 
@@ -284,12 +283,12 @@ def fused_path(name: str) -> Callable[[Ctx], str]:
         ours = [torch.nn.Parameter(t.clone().to(ctx.device)) for t in start]  # clone: on the CPU .to() is no copy
         theirs = [torch.nn.Parameter(t.clone().to(ctx.device)) for t in start]
         cfg = ctx.cfg(optimizer=name, lr=0.01, weight_decay=0.01)
-        fused = make_optimizer(cfg.section(OptimizerConfig), ours)
+        fused = make_optimizer(cfg.optimizer, ours)
         if fused.defaults.get("fused") is not True:
             raise AssertionError(f"make_optimizer gave {type(fused).__name__} with fused={fused.defaults.get('fused')}")
         kind = type(fused)
-        extra = {"momentum": cfg.momentum} if name == "sgd" else {}
-        plain = kind(theirs, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False, fused=False, **extra)
+        extra = {"momentum": cfg.optimizer.momentum} if name == "sgd" else {}
+        plain = kind(theirs, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay, foreach=False, fused=False, **extra)
         for step_grads in grads:
             for p, q, g in zip(ours, theirs, step_grads):
                 p.grad, q.grad = g.to(ctx.device), g.to(ctx.device)
@@ -325,9 +324,9 @@ def resume_path(kind: str) -> Callable[[Ctx], str]:
         if ctx.comm.rank == 0:
             shutil.rmtree(here, ignore_errors=True)  # what an earlier, aborted worker left
         ctx.comm.barrier()
-        straight = train(TrainConfig(run_dir=here / "straight", max_steps=8, **base), comm=ctx.comm)
-        train(TrainConfig(run_dir=here / "resumed", max_steps=4, **base), comm=ctx.comm)
-        resumed = train(TrainConfig(run_dir=here / "resumed", max_steps=8, **base), comm=ctx.comm)
+        straight = train(TrainConfig.flat(run_dir=here / "straight", max_steps=8, **base), comm=ctx.comm)
+        train(TrainConfig.flat(run_dir=here / "resumed", max_steps=4, **base), comm=ctx.comm)
+        resumed = train(TrainConfig.flat(run_dir=here / "resumed", max_steps=8, **base), comm=ctx.comm)
         if resumed["resumed_from"] != 4:
             raise AssertionError(f"the second segment resumed from {resumed['resumed_from']}, not step 4")
         if resumed["param_sha256"] != straight["param_sha256"]:

@@ -69,7 +69,6 @@ def worker(blocks: int, steps: int) -> None:
 
     from hpctrain.base.config import TrainConfig
     from hpctrain.base.rankenv import read_env
-    from hpctrain.base.sections import CommConfig, OptimizerConfig, ZeroConfig
     from hpctrain.base.window import parse_window
     from hpctrain.comm import world
     from hpctrain.compute.models import build_model
@@ -84,8 +83,8 @@ def worker(blocks: int, steps: int) -> None:
     rng = np.random.default_rng(comm.rank)
     xs = [rng.standard_normal((64, 784), dtype=np.float32) for _ in range(8)]
     ys = [rng.integers(0, 10, 64) for _ in range(8)]
-    cfg = TrainConfig(data=".", run_dir=".", optimizer="sgd", lr=0.01)  # what `train` builds for these flags
-    sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
+    cfg = TrainConfig.flat(data=".", run_dir=".", optimizer="sgd", lr=0.01)  # what `train` builds for these flags
+    sync, opt = make_sync(cfg.communication, cfg.zero, cfg.optimizer, model, comm,
                           auto_overlap(env, "cpu"))
     setup = StepSetup(model=model, sync=sync, optimizer=opt, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"))
     counter = {"step": 0}
@@ -126,7 +125,6 @@ def split_worker(args: argparse.Namespace) -> None:
 
     from hpctrain.base.config import TrainConfig
     from hpctrain.base.rankenv import read_env
-    from hpctrain.base.sections import CommConfig, OptimizerConfig, ParallelConfig, ZeroConfig
     from hpctrain.comm import world
     from hpctrain.control import hybrid
     from hpctrain.control.step import make_sync
@@ -140,13 +138,13 @@ def split_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(env.torch_threads())
     build, xs, ys = workload(0, args.model, args.batch_size, 784, 10, args.seq_len, 257)  # one replica: the same rows
     model = build()
-    cfg = TrainConfig(data=".", run_dir=".", optimizer="sgd", lr=0.01, tp=args.tp, pp=args.pp,
+    cfg = TrainConfig.flat(data=".", run_dir=".", optimizer="sgd", lr=0.01, tp=args.tp, pp=args.pp,
                       micro_batches=args.micro_batches, batch_size=args.batch_size)
     layout = check_layout(comm.size, args.tp, args.pp, model_limits(model, args.model))
-    par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device="cpu", precision="fp32",
+    par = hybrid.split(cfg.parallel, comm, layout, model, device="cpu", precision="fp32",
                        batch_rows=args.batch_size, row=xs[0][0])
     stage = par.model(model)
-    sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), stage,
+    sync, opt = make_sync(cfg.communication, cfg.zero, cfg.optimizer, stage,
                           par.data, False, alone=par.tied)
     setup = StepSetup(model=stage, sync=sync, optimizer=opt, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"))
     counter = {"step": 0, "records": 0}

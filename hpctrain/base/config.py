@@ -1,49 +1,24 @@
 """Configuration dataclasses, one per component.
 
 The CLI and a TOML file (`--config run.toml`, same keys as the flags) both build these; every check lives in
-`__post_init__` and names the field, the bad value and the fix.
+`__post_init__` and names the field, the bad value and the fix. `TrainConfig` is made of the sections of
+base/sections.py and checks here only what spans two of them.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from .errors import ConfigError, one_of
-from .sections import TRAIN_SECTIONS
-from .window import parse_window
+from .sections import (OPTIMIZERS, PIPELINE_SCHEDULES, PRECISIONS, SCHEDULES, TRAIN_FLAT, TRAIN_SECTIONS,  # noqa: F401
+                       ZERO_REDUCERS, ZERO_STAGES, CheckpointConfig, CommConfig, DataConfig, LoggingConfig,
+                       TRAIN_SECTION_CLASSES, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                       RunConfig, TraceConfig, WatchdogConfig, ZeroConfig, parse_grad_compression)
 
-S = TypeVar("S")
 HDF5_COMPRESSIONS = ("none", "lzf", "gzip")
 NORMALIZATIONS = ("none", "standard", "minmax")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "cosine", "step")
-PRECISIONS = ("fp32", "bf16", "fp16")
-ZERO_STAGES = (0, 1, 2, 3)
-ZERO_REDUCERS = ("auto", "reduce-scatter-block", "reduce-scatter", "allreduce", "ring")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-def parse_grad_compression(spec: str) -> tuple[str, float]:
-    """(kind, parameter) of a --grad-compression value: none, fp16, bf16, powersgd[:RANK], topk[:FRACTION]."""
-    kind, _, arg = str(spec).partition(":")
-    if kind in ("none", "fp16", "bf16") and not arg:
-        return kind, 0.0
-    try:
-        if kind == "powersgd":
-            rank = int(arg) if arg else 4
-            if rank >= 1:
-                return kind, float(rank)
-        elif kind == "topk":
-            fraction = float(arg) if arg else 0.01
-            if 0 < fraction <= 1:
-                return kind, fraction
-    except ValueError:
-        pass
-    raise ConfigError(f"--grad-compression {spec!r}: choose none, fp16, bf16, powersgd[:RANK] (a whole number, e.g. "
-                      "powersgd:4) or topk[:FRACTION] (in (0, 1], e.g. topk:0.01)")
-
-
 # fields renamed so that each name says one thing: {old spelling: new field}. The old flag and the old TOML key
 # still work (with a note); a checkpoint's config written under the old name compares equal.
 TRAIN_RENAMED = {"compress": "grad_compression"}
@@ -119,16 +94,6 @@ def write_toml(values: dict[str, Any]) -> str:
     import tomli_w
 
     return tomli_w.dumps(values)
-
-
-def _positive(name: str, value: float, example: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} {value!r} must be a positive number, e.g. {name} {example}")
-
-
-def _non_negative(name: str, value: float, example: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name} {value!r} must be zero or more, e.g. {name} {example}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -207,210 +172,100 @@ class ShardConfig:
                               "least 258 ids (256 bytes, end-of-text and one merge), e.g. --train-tokenizer 4096")
 
 
+def zero_refusal(stage: int, grad_compression: str, hierarchical: bool) -> ConfigError | None:
+    """Why ZeRO `stage` cannot run with this gradient sum (None when it can): the one statement of these
+    refusals, for the config and for a gradient sync built without one."""
+    if stage and parse_grad_compression(grad_compression)[0] in ("powersgd", "topk"):
+        return ConfigError(f"--grad-compression {grad_compression} does not combine with --zero {stage} (ZeRO sums "
+                           "each rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
+    if stage and hierarchical:
+        return ConfigError(f"--zero {stage} does not combine with --hierarchical (ZeRO reduce-scatters over "
+                           "all ranks at once): drop one of them")
+    return None
+
+
+def sections_of(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat names (`{"lr": 0.1, "zero": 1}`) as each section's keyword arguments (`{"optimizer": {"lr": 0.1},
+    "zero": {"stage": 1}, "run": {}, ...}`, every section present). An unknown name is refused, listing the
+    valid ones."""
+    unknown = sorted(k for k in values if k not in TRAIN_FLAT)
+    if unknown:
+        raise ConfigError(f"unknown training option(s) {', '.join(unknown)}: choose from {', '.join(TRAIN_FLAT)}")
+    parts: dict[str, dict[str, Any]] = {section: {} for section in TRAIN_SECTION_CLASSES}
+    for name, value in values.items():
+        section, key = TRAIN_FLAT[name]
+        parts[section][key] = value
+    return parts
+
+
+def check_across(zero: ZeroConfig, communication: CommConfig, parallel: ParallelConfig, *, rows: int,
+                 staged: bool) -> None:
+    """The checks that span sections (each section checks itself): ZeRO against the gradient sum and the model
+    split, the split against staging, the pipeline's micro-batches against the `rows` of a step."""
+    refusal = zero_refusal(zero.stage, communication.grad_compression, communication.hierarchical)
+    if refusal is not None:
+        raise refusal
+    tp, pp = parallel.tp, parallel.pp
+    if tp * pp > 1 and zero.stage == 3:
+        raise ConfigError(f"--zero 3 does not combine with --tp {tp} --pp {pp} (stage 3 gathers whole "
+                          "modules, a split run holds shares of them): use --zero 2, which shards the gradients "
+                          "and optimizer state over the data-parallel ranks")
+    if tp * pp > 1 and staged:
+        raise ConfigError("--stage-to does not combine with --tp/--pp (the ranks of one replica read the same "
+                          "files and would copy them to the same place): drop one of them")
+    if parallel.micro_batches > rows:
+        raise ConfigError(f"--micro-batches {parallel.micro_batches} is more than the {rows} "
+                          "rows of a step (--batch-size x --accumulate): use at most that many")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    """One training run: data, model, optimization, checkpointing and gradient sync."""
+    """One training run: its sections (`cfg.optimizer.lr`, `cfg.zero.stage`), each checked by itself, and the
+    checks that span two of them. Build one from flat names (flags, TOML keys, a checkpoint's recorded config)
+    with `TrainConfig.flat(lr=0.1, ...)` or `from_flat(values)`."""
 
-    data: Path
-    """Directory written by `hpctrain shard` (holds manifest.json)."""
-    run_dir: Path
-    """Where metrics, checkpoints, logs and the final model go."""
-    model: str = "mlp"
-    """mlp, mlp:H1,H2[:dropout=P], cnn, module.path:factory or path/to/file.py:factory."""
-    epochs: int = 10
-    """Passes over the training data."""
-    max_steps: int = 0
-    """Stop after this many optimizer steps in total (0: no limit)."""
-    batch_size: int = 32
-    """Samples per data-parallel rank per step; the global batch is batch_size x D, where D is the world size
-    (divided by tp x pp when the model is split)."""
-    lr: float = 0.05
-    """Peak learning rate."""
-    optimizer: str = "sgd"
-    """sgd, adam or adamw."""
-    momentum: float = 0.9
-    """SGD momentum (ignored by adam/adamw)."""
-    weight_decay: float = 0.0
-    """Weight decay (decoupled for adamw)."""
-    seed: int = 0
-    """Seed of model initialization, shuffling and dropout."""
-    schedule: str = "constant"
-    """Learning-rate schedule: constant, cosine (to zero at the last step) or step (x0.1 at 1/2 and 3/4)."""
-    warmup: int = 0
-    """Raise the learning rate linearly over the first this many steps (0: none); transformers usually need it."""
-    clip_grad: float = 0.0
-    """Clip the global gradient norm to this value (0: no clipping)."""
-    shuffle: bool = True
-    """Shuffle each rank's samples every epoch (a pure function of seed, epoch, rank and world size)."""
-    stage_to: str | None = None
-    """Copy this rank's train and val shard files into this node-local directory first (DIR, or auto:
-    $SLURM_TMPDIR, else $TMPDIR), check each copy's sha256 against the manifest, read the copies, and remove
-    them at the end; the ranks of a node copy at the same time, each its own files."""
-    keep_staged: bool = False
-    """Keep the copies made by --stage-to after the run; a later run of the same --run-dir and --data with the
-    same DIR re-uses the copies that still verify."""
-    init_weights: Path | None = None
-    """A state_dict (.pt) to start from instead of a fresh initialization."""
-    checkpoint_every: int | str = "auto"
-    """Write a checkpoint every this many steps; 0: only at the end and on a stop signal; auto: at the
-    Young/Daly interval sqrt(2 x measured checkpoint cost x mtbf_hours)."""
-    mtbf_hours: float = 24.0
-    """Mean time between failures assumed by --checkpoint-every auto."""
-    keep: int = 2
-    """Complete checkpoints to keep (at least 2)."""
-    resume: str = "auto"
-    """auto (latest complete checkpoint in run_dir, else fresh), never, or a checkpoint directory."""
-    bucket_mb: float = 25.0
-    """Size of one gradient bucket in MiB (25 measured best on the reference MLP; see docs/performance.md)."""
-    grad_compression: str = "none"
-    """Wire format of the gradient sum (was --compress): none, fp16, bf16, powersgd[:RANK] (low rank, default 4)
-    or topk[:FRACTION] (the largest entries, default 0.01); the last two with error feedback."""
-    overlap: bool | None = None
-    """Start each bucket's allreduce during backward on a communication thread; None (auto): only when the
-    rank computes on a GPU (on CPUs the thread competes with torch's threads: slower at 1 and 8 threads a rank)."""
-    accumulate: int = 1
-    """Micro-batches of batch_size per optimizer step; gradients are synced only on the last."""
-    hierarchical: bool = False
-    """Reduce within each node first, allreduce between node leaders, broadcast within the node."""
-    deterministic: bool = False
-    """Sum gradients in rank order, the same bits in every run whatever MPI's algorithm (costs bandwidth)."""
-    precision: str = "fp32"
-    """Compute precision of forward and backward: fp32, bf16 or fp16 (autocast on CPU and CUDA; the weights and
-    the optimizer stay fp32; fp16 adds a loss scale whose skip decision all ranks agree on)."""
-    zero: int = 0
-    """Shard training state across ranks (ZeRO): 0 none; 1 optimizer state (each rank steps only the slices
-    it owns, then parameters are allgathered); 2 also gradients (reduce-scattered, full buckets freed once
-    sent); 3 also parameters (each module's gathered only for its forward and backward). sgd, adam and
-    adamw all work; checkpoints resume on any world size and stage (hpctrain plan: the bytes per rank)."""
-    zero_reduce: str = "auto"
-    """How --zero 1-3 sums each bucket into the ranks' slices: reduce-scatter-block, reduce-scatter,
-    allreduce (each rank keeps its slice), ring (W-1 Sendrecv exchanges of one slice each, summed by torch),
-    or auto (time each at start-up, keep the fastest)."""
-    tp: int = 1
-    """Tensor-parallel ranks per model replica (the built-in gpt only): attention heads, MLP units and the
-    vocabulary split over them. The world is D x tp x pp ranks; D data-parallel replicas."""
-    pp: int = 1
-    """Pipeline stages per model replica: the model's blocks (the gpt's layers, an nn.Sequential's children)
-    cut into pp consecutive stages."""
-    micro_batches: int = 0
-    """Micro-batches each step's batch is split into for the pipeline (0: 1 without one, 4 x pp with one); the
-    bubble is (pp - 1) / (micro_batches + pp - 1)."""
-    pipeline_schedule: str = "1f1b"
-    """1f1b (one forward, one backward: at most pp micro-batches' activations alive) or gpipe (every forward,
-    then every backward)."""
-    audit_samples: bool = False
-    """Write RUN/samples/rank-NNNN.txt with every sample id each rank trained on."""
-    collective_timeout: float = 300.0
-    """Abort the job when a collective waits longer than this many seconds (0: never), saying which ranks
-    it waits for."""
-    checkpoint_timeout: float = 1800.0
-    """Abort the job when a checkpoint write, with the wait for every rank's part, takes longer than this
-    many seconds (0: never); a slow parallel filesystem needs more than a collective does."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files to RUN/tensorboard (needs the tensorboard package)."""
-    log_every: int = 10
-    """Log metrics every this many steps (and at the end of every epoch)."""
-    json: bool = False
-    """Print the summary as one JSON object."""
-    progress: bool = True
-    """Show a progress bar on rank 0 when the output is a terminal."""
-    trace: str | None = None
-    """Record a timeline of every rank over a window of steps: A:B (steps A to B), last:N (the run's last N
-    steps) or every:N (one step in N, the last 100 kept); at most 1,000 steps. Each rank writes
-    RUN/trace/rank-NNNN.json; the end of the run merges them into RUN/trace.json (open it in ui.perfetto.dev)
-    and names a straggler in summary.json. Off by default; the flight recorder of collectives is always on."""
+    run: RunConfig
+    data: DataConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    communication: CommConfig = field(default_factory=CommConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys from a config file that no flag has (kept in the resolved config)."""
 
     def __post_init__(self) -> None:
-        self.data = Path(self.data)
-        self.run_dir = Path(self.run_dir)
-        if self.init_weights is not None:
-            self.init_weights = Path(self.init_weights)
-        for name, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size), ("--log-every", self.log_every),
-                            ("--accumulate", self.accumulate)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} {value!r} must be a whole number of at least 1")
-        if isinstance(self.checkpoint_every, str) and self.checkpoint_every != "auto":
-            try:
-                self.checkpoint_every = int(self.checkpoint_every)
-            except ValueError:
-                raise ConfigError(f"--checkpoint-every {self.checkpoint_every!r} must be auto or a whole number of steps (0: none)") from None
-        _positive("--mtbf-hours", self.mtbf_hours, "24")
-        _non_negative("--collective-timeout", self.collective_timeout, "300")
-        _non_negative("--checkpoint-timeout", self.checkpoint_timeout, "1800")
-        checked = [("--max-steps", self.max_steps), ("--warmup", self.warmup)]
-        if self.checkpoint_every != "auto":
-            checked.append(("--checkpoint-every", self.checkpoint_every))
-        for name, value in checked:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} {value!r} must be a whole number, 0 or more")
-        _positive("--lr", self.lr, "0.05")
-        _positive("--bucket-mb", self.bucket_mb, "4")
-        _non_negative("--momentum", self.momentum, "0.9")
-        _non_negative("--weight-decay", self.weight_decay, "0.0001")
-        _non_negative("--clip-grad", self.clip_grad, "1.0")
-        if self.optimizer not in OPTIMIZERS:
-            raise one_of("optimizer", self.optimizer, OPTIMIZERS)
-        if self.schedule not in SCHEDULES:
-            raise one_of("schedule", self.schedule, SCHEDULES)
-        kind, _ = parse_grad_compression(self.grad_compression)
-        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ConfigError(f"--zero {self.zero!r} must be 0 (no sharding), 1 (optimizer state), 2 (also gradients) "
-                              "or 3 (also parameters)")
-        if self.precision not in PRECISIONS:
-            raise one_of("--precision", self.precision, PRECISIONS)
-        if self.zero_reduce not in ZERO_REDUCERS:
-            raise one_of("--zero-reduce", self.zero_reduce, ZERO_REDUCERS)
-        if self.zero and kind in ("powersgd", "topk"):
-            raise ConfigError(f"--grad-compression {self.grad_compression} does not combine with --zero {self.zero} "
-                              "(ZeRO sums each rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
-        if self.zero and self.hierarchical:
-            raise ConfigError(f"--zero {self.zero} does not combine with --hierarchical (ZeRO reduce-scatters over "
-                              "all ranks at once): drop one of them")
-        if not isinstance(self.keep, int) or self.keep < 2:
-            raise ConfigError(f"--keep {self.keep!r} must be at least 2, so a complete checkpoint always survives")
-        if self.stage_to is not None and (not isinstance(self.stage_to, str) or not self.stage_to.strip()):
-            raise ConfigError(f"--stage-to {self.stage_to!r} must name a node-local directory (e.g. /tmp or /dev/shm) "
-                              "or be auto ($SLURM_TMPDIR, else $TMPDIR)")
-        if self.keep_staged and self.stage_to is None:
-            raise ConfigError("--keep-staged keeps the copies that --stage-to makes: add --stage-to DIR|auto, "
-                              "or drop --keep-staged")
-        for name, value in (("--tp", self.tp), ("--pp", self.pp)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} {value!r} must be a whole number of at least 1 (1: not split)")
-        if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 0:
-            raise ConfigError(f"--micro-batches {self.micro_batches!r} must be 0 (auto) or a whole number of at least 1")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise one_of("--pipeline-schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
-        if self.tp * self.pp > 1 and self.zero == 3:
-            raise ConfigError(f"--zero 3 does not combine with --tp {self.tp} --pp {self.pp} (stage 3 gathers whole "
-                              "modules, a split run holds shares of them): use --zero 2, which shards the gradients "
-                              "and optimizer state over the data-parallel ranks")
-        if self.tp * self.pp > 1 and self.stage_to is not None:
-            raise ConfigError("--stage-to does not combine with --tp/--pp (the ranks of one replica read the same "
-                              "files and would copy them to the same place): drop one of them")
-        if self.micro_batches > self.batch_size * self.accumulate:
-            raise ConfigError(f"--micro-batches {self.micro_batches} is more than the {self.batch_size * self.accumulate} "
-                              "rows of a step (--batch-size x --accumulate): use at most that many")
-        if not self.resume:
-            raise ConfigError("--resume '' is empty: use auto, never, or a checkpoint directory")
-        if self.trace is not None:
-            parse_window(self.trace)
+        check_across(self.zero, self.communication, self.parallel, rows=self.data.batch_size * self.optimizer.accumulate,
+                     staged=self.data.stage_to is not None)
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> TrainConfig:
+        """The config of flat names (`{"lr": 0.1, "zero": 1}`: the flags', a TOML file's, a checkpoint's), renamed
+        keys upgraded; `extra` holds the keys no flag has. An unknown name is refused, listing the valid ones."""
+        given = cls.upgrade(values)
+        extra = dict(given.pop("extra", None) or {})
+        parts = {section: kw for section, kw in sections_of(given).items() if kw}
+        return cls(**{section: TRAIN_SECTION_CLASSES[section](**kw) for section, kw in parts.items()}, extra=extra)
+
+    @classmethod
+    def flat(cls, **values: Any) -> TrainConfig:
+        """`from_flat(values)`: `TrainConfig.flat(data="d", run_dir="r", lr=0.1)`."""
+        return cls.from_flat(values)
 
     @staticmethod
     def upgrade(values: dict[str, Any]) -> dict[str, Any]:
         """`values` (a config file's, or an old checkpoint's) with renamed keys under their new names."""
         return {TRAIN_RENAMED.get(k, k): v for k, v in values.items()}
 
-    def section(self, cls: type[S]) -> S:
-        """This config's section `cls` (one of base/sections.py's), the value a component receives."""
-        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
-
     def to_sections(self) -> dict[str, Any]:
         """`to_dict()` grouped into the `[sections]` of TRAIN_SECTIONS (keys no field has stay at the top)."""
         flat = self.to_dict()
-        out: dict[str, Any] = {k: v for k, v in flat.items() if k not in section_of(TRAIN_SECTIONS)}
+        out: dict[str, Any] = {k: v for k, v in flat.items() if k not in TRAIN_FLAT}
         for section, names in TRAIN_SECTIONS.items():
             table = {name: flat[name] for name in names if name in flat}
             if table:
@@ -418,15 +273,14 @@ class TrainConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (paths as strings, None dropped) for config.toml, checkpoints and summaries."""
+        """Flat names and plain values (paths as strings, None dropped) for config.toml, checkpoints and
+        summaries: the same keys as the flags, whatever the sections call their fields."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "extra":
-                continue
+        for name, (section, key) in TRAIN_FLAT.items():
+            value = getattr(getattr(self, section), key)
             if isinstance(value, Path):
                 value = str(value)
             if value is not None:
-                out[f.name] = value
+                out[name] = value
         out.update(self.extra)
         return out

@@ -37,14 +37,12 @@ def plain_torch_step(fresh_model: Callable[[], Any], xs: list[Any], ys: list[Any
     `between(params)`, when given, runs between backward and the optimizer step."""
     import torch
 
-    from ..base.config import TrainConfig
     from ..base.sections import OptimizerConfig
     from ..control.step import make_optimizer
 
     model = fresh_model().to(device)
     params = list(model.parameters())
-    opt = make_optimizer(TrainConfig(data=".", run_dir=".", optimizer=optimizer, lr=0.01).section(OptimizerConfig),
-                         model.parameters())
+    opt = make_optimizer(OptimizerConfig(name=optimizer, lr=0.01), model.parameters())
     loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
     cuda = torch.device(device).type == "cuda"
     batches = itertools.cycle(list(zip(xs, ys)))

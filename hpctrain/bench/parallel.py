@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..base.sections import CommConfig, ParallelConfig, ZeroConfig
 from ..comm import Comm
 from .train import median_time, workload
 from .watch import progress
@@ -42,12 +43,10 @@ def _whole_bytes(model: Any, optimizer_name: str) -> int:
     (so that the state exists): what one rank of plain data parallelism holds."""
     import torch
 
-    from ..base.config import TrainConfig
     from ..base.sections import OptimizerConfig
     from ..control.step import make_optimizer
 
-    cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer_name, lr=0.01)
-    opt = make_optimizer(cfg.section(OptimizerConfig), model.parameters())
+    opt = make_optimizer(OptimizerConfig(name=optimizer_name, lr=0.01), model.parameters())
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -58,17 +57,17 @@ def _whole_bytes(model: Any, optimizer_name: str) -> int:
     return size
 
 
-def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batches: int = 0,
-                   schedule: str = "1f1b", batch_size: int = 16, steps: int = 10, rounds: int = 3,
-                   input_dim: int = 784, classes: int = 10, seq_len: int = 128, vocab: int = 257,
-                   optimizer: str = "sgd", zero: int = 0, overlap: bool | None = None, compress: str = "none",
-                   bucket_mb: float = 25.0) -> dict[str, Any]:
-    """The measurements of the module docstring, on every rank of `comm` split as (W / (tp pp), tp, pp)."""
+def bench_parallel(comm: Comm, *, model_spec: str, parallel: ParallelConfig, wire: CommConfig | None = None,
+                   sharding: ZeroConfig | None = None, optimizer: str = "sgd", batch_size: int = 16, steps: int = 10,
+                   rounds: int = 3, input_dim: int = 784, classes: int = 10, seq_len: int = 128,
+                   vocab: int = 257) -> dict[str, Any]:
+    """The measurements of the module docstring, on every rank of `comm` split as (W / (tp pp), tp, pp) by
+    `parallel`, the gradients summed as `wire` and `sharding` say (train's sections; default: train's)."""
     import torch
 
-    from ..base.config import TrainConfig
+    from ..base.config import check_across
     from ..base.rankenv import read_env
-    from ..base.sections import CommConfig, OptimizerConfig, ParallelConfig, ZeroConfig
+    from ..base.sections import OptimizerConfig
     from ..control import hybrid
     from ..control.step import auto_overlap, make_sync
     from ..control.update import StepSetup
@@ -78,23 +77,22 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
 
     env = read_env()
     torch.set_num_threads(env.torch_threads())
-    cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer, lr=0.01, zero=zero, bucket_mb=bucket_mb,
-                      grad_compression=compress, tp=tp, pp=pp, micro_batches=micro_batches,
-                      pipeline_schedule=schedule, batch_size=batch_size)
+    wire, sharding = wire or CommConfig(), sharding or ZeroConfig()
+    check_across(sharding, wire, parallel, rows=batch_size, staged=False)
     probe, _, _ = workload(0, model_spec, 1, input_dim, classes, seq_len, vocab)
     model = probe()
-    layout = check_layout(comm.size, tp, pp, model_limits(model, model_spec))
+    layout = check_layout(comm.size, parallel.tp, parallel.pp, model_limits(model, model_spec))
     d = layout.coords(comm.rank)[0]
     progress("the whole model's memory")
     whole = _whole_bytes(model, optimizer)
     _, xs, ys = workload(d, model_spec, batch_size, input_dim, classes, seq_len, vocab)  # a replica's rows
     progress("splitting the model")
-    par = hybrid.split(cfg.section(ParallelConfig), comm, layout, model, device="cpu", precision="fp32",
+    par = hybrid.split(parallel, comm, layout, model, device="cpu", precision="fp32",
                        batch_rows=batch_size, row=xs[0][0])
     stage = par.model(model)
     del model
-    sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), stage,
-                          par.data, overlap if overlap is not None else auto_overlap("cpu"), alone=par.tied)
+    sync, opt = make_sync(wire, sharding, OptimizerConfig(name=optimizer, lr=0.01), stage,
+                          par.data, wire.overlap if wire.overlap is not None else auto_overlap("cpu"), alone=par.tied)
     setup = StepSetup(model=stage, sync=sync, optimizer=opt, loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"))
     targets = ys[0].size * layout.data
     phases: dict[str, float] = {}
@@ -118,7 +116,8 @@ def bench_parallel(comm: Comm, *, model_spec: str, tp: int, pp: int, micro_batch
     sync.close()
     result = {"world_size": comm.size, "model": model_spec, "batch_size": batch_size,
               "layout": {"data": layout.data, "tensor": layout.tensor, "pipe": layout.pipe},
-              "micro_batches": par.micro, "pipeline_schedule": schedule, "optimizer": optimizer, "zero": zero,
+              "micro_batches": par.micro, "pipeline_schedule": parallel.pipeline_schedule,
+              "optimizer": optimizer, "zero": sharding.stage,
               "torch_threads": torch.get_num_threads(), "step_ms": statistics.median(times) * 1e3,
               "step_ms_rounds": [t * 1e3 for t in times],
               "samples_per_s": batch_size * layout.data / statistics.median(times),

@@ -236,15 +236,15 @@ def _step_setup(model: Any, comm: Comm, zero: int, optimizer: str, loss_fn: Any,
                 **sync_args: Any) -> Any:
     """The step of `model` with the gradient sync and optimizer `hpctrain train` builds for `--zero`, `--optimizer`
     (lr 0.01)."""
-    from ..base.config import TrainConfig
-    from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
+    from ..base.config import check_across
+    from ..base.sections import CommConfig, OptimizerConfig, ParallelConfig, ZeroConfig
     from ..control.step import make_sync
     from ..control.update import StepSetup
 
-    cfg = TrainConfig(data=".", run_dir=".", optimizer=optimizer, lr=0.01, zero=zero,
-                      bucket_mb=sync_args["bucket_mb"], grad_compression=sync_args["compress"])
-    sync, opt = make_sync(cfg.section(CommConfig), cfg.section(ZeroConfig), cfg.section(OptimizerConfig), model, comm,
-                          sync_args["overlap"])
+    wire = CommConfig(bucket_mb=sync_args["bucket_mb"], grad_compression=sync_args["compress"])
+    sharding = ZeroConfig(stage=zero)
+    check_across(sharding, wire, ParallelConfig(), rows=1, staged=False)
+    sync, opt = make_sync(wire, sharding, OptimizerConfig(name=optimizer, lr=0.01), model, comm, sync_args["overlap"])
     return StepSetup(model=model, sync=sync, optimizer=opt, loss_fn=loss_fn, device=device)
 
 

@@ -8,9 +8,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..base.config import TRAIN_RENAMED, TRAIN_SECTIONS, check_across, section_panels, sections_of
 from ..base.errors import ConfigError
+from ..base.sections import (CommConfig, ModelConfig, OptimizerConfig, ParallelConfig, WatchdogConfig, ZeroConfig,
+                             check_batch_size, train_options)
 from .common import handle_errors, is_rank0
 from .helpformat import App
+from .options import config_parameters, take_renamed, with_signature
 
 app = App(help="Measure allreduce bandwidth and training step time.", no_args_is_help=True)
 
@@ -78,32 +82,27 @@ def allreduce(
               f"{r['hpctrain_busbw_gbs']:>7.2f}GB/s {r['ratio']:>6.2f}")
 
 
+# the options `bench train` shares with `train`: generated from the same sections' fields (name, help, check),
+# with the benchmark's own defaults for the reference model and batch
+TRAINING_OPTIONS = ("model", "batch_size", "optimizer", "bucket_mb", "grad_compression", "overlap", "zero", "tp", "pp",
+                    "micro_batches", "pipeline_schedule", "collective_timeout")
+
+
 @app.command()
 @handle_errors
 def train(
-    model: Annotated[str, typer.Option(help="Model spec (the reference is mlp:2048,2048 on 784 inputs); gpt or gpt:layers=L,dim=D,heads=H steps on random token rows.")] = "mlp:2048,2048",
+    ctx: typer.Context,
     input_dim: Annotated[int, typer.Option(help="Input features (classifiers).")] = 784,
     seq_len: Annotated[int, typer.Option(help="Tokens per row (language models).")] = 128,
     vocab: Annotated[int, typer.Option(help="Vocabulary size of the random tokens (language models; 257: bytes).")] = 257,
-    batch_size: Annotated[int, typer.Option(help="Samples per rank per step.")] = 64,
     steps: Annotated[int, typer.Option(help="Measured steps per round.")] = 30,
     rounds: Annotated[int, typer.Option(help="Rounds, each alternating hpctrain, the plain torch limit and the baseline.")] = 5,
     baseline: Annotated[Optional[str], typer.Option(help="ddp (torch DDP, gloo) or none.")] = "ddp",
-    bucket_mb: Annotated[float, typer.Option(help="hpctrain bucket size in MiB.")] = 25.0,
-    overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", help="Overlap allreduce with backward (default: as train decides).", show_default=False)] = None,
-    grad_compression: Annotated[str, typer.Option(help="Wire format of the gradients: none, fp16 or bf16.")] = "none",
-    compress: Annotated[Optional[str], typer.Option(hidden=True, help="Old spelling of --grad-compression.")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per local rank; DDP baseline skipped).")] = "cpu",
-    zero: Annotated[int, typer.Option(help="ZeRO stage of the timed step (1-3: timed beside stage 0 instead of DDP).", min=0, max=3)] = 0,
-    optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw; lr 0.01.")] = "sgd",
-    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks per replica (gpt): time the split step instead.")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline stages per replica: time the split step, its bubble and each stage's phases.")] = 1,
-    micro_batches: Annotated[int, typer.Option(help="Micro-batches per step with --pp (0: 4 x pp).")] = 0,
-    pipeline_schedule: Annotated[str, typer.Option(help="1f1b or gpipe.")] = "1f1b",
     n: Annotated[int, typer.Option("-n", "--np", help="Ranks to launch when not already under a launcher.")] = 2,
-    collective_timeout: Annotated[float, typer.Option(help="End the job when a rank makes no progress for this many seconds (0: never), as train's watchdog does.")] = 300.0,
     trace: Annotated[Optional[str], typer.Option(help="A directory: record every rank's timeline of the phases pass (--steps steps) into DIR/trace.json, with the straggler verdict.", metavar="DIR")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    **values: Any,
 ) -> None:
     """Training step time of hpctrain against the honest limit and beside torch DDP (gloo), one-rank scaling,
     sync vs raw allreduce, and the memory per rank (parameters, gradients, optimizer state, peak RSS).
@@ -114,6 +113,10 @@ def train(
     `step_over_limit` is the median over rounds that alternate the two. Beside them, the data-parallel loop a
     user writes by hand (the plain step with one raw Allreduce per gradient): it also pays the ranks' waits
     for each other's slowest step, which the limit leaves out.
+
+    The options shared with `train` are its own (help and checks); the model defaults to the reference,
+    mlp:2048,2048 on --input-dim inputs (a gpt spec steps on random token rows), and the optimizer steps at lr
+    0.01 (sgd with momentum 0.9).
 
     With --zero 1-3 the step runs sharded and is timed beside stage 0 (at stage 3 the phases add the time of
     the parameter gathers and the part of it the step waited for: what prefetch, with --overlap, hides);
@@ -133,33 +136,41 @@ def train(
 
     Example: hpctrain bench train -n 4 --tp 2 --pp 2 --model gpt:layers=4,dim=128,heads=4 --batch-size 16
     """
-    if compress is not None:
-        print("note: --compress is now --grad-compression; the old spelling still works", file=sys.stderr)
-        grad_compression = compress
-    if tp * pp > 1 and device != "cpu":
+    take_renamed(ctx, values, TRAIN_RENAMED)
+    s = sections_of(values)  # each section checks its own values, check_across what spans them
+    wire, sharding, split = CommConfig(**s["communication"]), ZeroConfig(**s["zero"]), ParallelConfig(**s["parallel"])
+    check_batch_size(values["batch_size"])
+    check_across(sharding, wire, split, rows=values["batch_size"], staged=False)
+    optimizer, model = OptimizerConfig(**s["optimizer"]).name, ModelConfig(**s["model"]).spec
+    timeout = WatchdogConfig(**s["watchdog"]).collective_timeout
+    if split.tp * split.pp > 1 and device != "cpu":
         raise ConfigError("bench train --tp/--pp measures on the CPU for now: drop --device cuda")
     _relaunch(n)
-    _as_train(collective_timeout)
+    _as_train(timeout)
     from ..bench.train import bench_train
     from ..bench.watch import watched
 
-    if tp * pp > 1:
-        _train_split(collective_timeout, json_out, model_spec=model, tp=tp, pp=pp, micro_batches=micro_batches,
-                     schedule=pipeline_schedule, batch_size=batch_size, steps=steps, rounds=rounds, input_dim=input_dim,
-                     seq_len=seq_len, vocab=vocab, optimizer=optimizer, zero=zero, overlap=overlap,
-                     compress=grad_compression, bucket_mb=bucket_mb)
+    if split.tp * split.pp > 1:
+        _train_split(timeout, json_out, model_spec=model, parallel=split, wire=wire, sharding=sharding,
+                     optimizer=optimizer, batch_size=values["batch_size"], steps=steps, rounds=rounds,
+                     input_dim=input_dim, seq_len=seq_len, vocab=vocab)
         return
-    with watched(collective_timeout) as comm:
-        result = bench_train(comm, model_spec=model, input_dim=input_dim, batch_size=batch_size, steps=steps,
-                             rounds=rounds, bucket_mb=bucket_mb, baseline=baseline, overlap=overlap,
-                             compress=grad_compression, device=device, zero=zero, optimizer=optimizer, seq_len=seq_len,
-                             vocab=vocab, trace=trace)
+    with watched(timeout) as comm:
+        result = bench_train(comm, model_spec=model, input_dim=input_dim, batch_size=values["batch_size"], steps=steps,
+                             rounds=rounds, bucket_mb=wire.bucket_mb, baseline=baseline, overlap=wire.overlap,
+                             compress=wire.grad_compression, device=device, zero=sharding.stage, optimizer=optimizer,
+                             seq_len=seq_len, vocab=vocab, trace=trace)
     if not is_rank0():
         return
     if json_out:
         print(json.dumps(result))
         return
     _print_train(result)
+
+
+with_signature(train, config_parameters(train_options(TRAINING_OPTIONS), renamed=TRAIN_RENAMED,
+                                        panels=section_panels(TRAIN_SECTIONS),
+                                        defaults={"model": "mlp:2048,2048", "batch_size": 64}))
 
 
 def _print_train(result: dict) -> None:

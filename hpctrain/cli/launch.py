@@ -27,5 +27,5 @@ def launch(
         cfg = config_from_args(command[1:])
         if cfg is None:  # --help, printed once
             return
-        precheck_train(cfg.data, cfg.init_weights, n, cfg.tp * cfg.pp)
+        precheck_train(cfg.data.path, cfg.model.init_weights, n, cfg.parallel.tp * cfg.parallel.pp)
     raise typer.Exit(run(n, command, grace=grace))

@@ -1,8 +1,8 @@
 """Typer options derived from a config dataclass: each option's name, default and help live once, in the field.
 
-`hpctrain train` and `hpctrain shard` are built from `TrainConfig` and `ShardConfig`: a field `batch_size: int =
-32` with the docstring under it becomes `--batch-size INTEGER [default: 32]` with that docstring as its help, and
-a TOML file (`--config`) takes the same keys. A renamed field keeps its old flag as a hidden alias that says
+`hpctrain train` is built from the sections of `TrainConfig` (under their flat names) and `hpctrain shard` from
+`ShardConfig`: a field `batch_size: int = 32` with the docstring under it becomes `--batch-size INTEGER [default:
+32]` with that docstring as its help, and a TOML file (`--config`) takes the same keys. A renamed field keeps its old flag as a hidden alias that says
 which flag to use now (`RENAMED` in base/config.py).
 """
 
@@ -15,7 +15,7 @@ import sys
 import textwrap
 import types
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, Field, fields
 from typing import Annotated, Any, Callable, Optional
 
 import typer
@@ -52,34 +52,46 @@ def _cli_type(hint: Any) -> Any:
     return hint
 
 
-def config_parameters(cls: type, *, skip: tuple[str, ...] = (), arguments: tuple[str, ...] = (),
+def option_fields(source: Any) -> list[tuple[str, Any, Field, str]]:
+    """(option name, type, field, help) of each option of `source`: a dataclass's fields, or the sections'
+    fields under their flat names ({flat name: (section class, field)}, base.sections.train_options)."""
+    if isinstance(source, dict):
+        return [(name, typing.get_type_hints(cls)[f.name], f, field_help(cls).get(f.name, ""))
+                for name, (cls, f) in source.items()]
+    hints, helps = typing.get_type_hints(source), field_help(source)
+    return [(f.name, hints[f.name], f, helps.get(f.name, "")) for f in fields(source)]
+
+
+def config_parameters(source: Any, *, skip: tuple[str, ...] = (), arguments: tuple[str, ...] = (),
                       required: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
-                      flags: dict[str, str] | None = None,
-                      panels: dict[str, str] | None = None) -> list[inspect.Parameter]:
-    """One Typer parameter per field of `cls` (in field order): `arguments` are positional, `required` options
-    may come from a config file instead (so they default to None here), `renamed` {old: new} adds the old
-    spelling as a hidden option, `flags` {field: "--flag"} names a flag differently from its field, `panels`
-    {field: title} groups the options of `--help` (by config section).
+                      flags: dict[str, str] | None = None, panels: dict[str, str] | None = None,
+                      defaults: dict[str, Any] | None = None) -> list[inspect.Parameter]:
+    """One Typer parameter per option of `source` (a dataclass, or sections' fields: `option_fields`), in
+    order: `arguments` are positional, `required` options may come from a config file instead (so they default
+    to None here), `renamed` {old: new} adds the old spelling as a hidden option, `flags` {field: "--flag"}
+    names a flag differently from its field, `panels` {field: title} groups the options of `--help` (by config
+    section), `defaults` {field: value} gives a command's own default (a benchmark's model; None: optional).
     A field with a default_factory, or a tuple, defaults to None here: `config_values` leaves it out."""
-    hints = typing.get_type_hints(cls)
-    helps = field_help(cls)
+    options = option_fields(source)
+    hints = {name: hint for name, hint, _, _ in options}
     params = []
-    for f in fields(cls):
-        if f.name in skip:
+    for name, field_hint, f, doc in options:
+        if name in skip:
             continue
-        hint, doc = _cli_type(hints[f.name]), helps.get(f.name, "")
-        if f.name in arguments:
-            info: Any = typer.Argument(help=doc, show_default=False, rich_help_panel=(panels or {}).get(f.name))
+        hint = _cli_type(field_hint)
+        if name in arguments:
+            info: Any = typer.Argument(help=doc, show_default=False, rich_help_panel=(panels or {}).get(name))
             default: Any = inspect.Parameter.empty
         else:
-            default = None if f.name in required or f.default is MISSING or isinstance(f.default, tuple) else f.default
-            if f.name in required:
+            default = None if name in required or f.default is MISSING or isinstance(f.default, tuple) else f.default
+            default = (defaults or {}).get(name, default)
+            if name in required or (name in (defaults or {}) and default is None):
                 hint = Optional[hint]
-            decls = [f"{flag(f.name)}/--no-{f.name.replace('_', '-')}"] if hint in (bool, Optional[bool]) else []
-            decls = [(flags or {})[f.name]] if f.name in (flags or {}) else decls
+            decls = [f"{flag(name)}/--no-{name.replace('_', '-')}"] if hint in (bool, Optional[bool]) else []
+            decls = [(flags or {})[name]] if name in (flags or {}) else decls
             info = typer.Option(*decls, help=doc, show_default=default is not None,
-                                rich_help_panel=(panels or {}).get(f.name))
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                rich_help_panel=(panels or {}).get(name))
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                         annotation=Annotated[hint, info]))
     if panels:  # grouped by section, the sections in their table's order (arguments stay first: they are)
         rank = {title: i for i, title in enumerate(dict.fromkeys(panels.values()))}

@@ -8,15 +8,16 @@ every option of every command appears.
 from __future__ import annotations
 
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from typing import Any, Iterator
 
 import typer
 import typer.main
 
-from ..base.config import SHARD_SECTIONS, TRAIN_SECTIONS, ShardConfig, TrainConfig
+from ..base.config import SHARD_SECTIONS, TRAIN_SECTIONS, ShardConfig
+from ..base.sections import train_options
 from .helpformat import metavar_of, usage_line
-from .options import field_help, flag
+from .options import flag, option_fields
 
 
 def commands(app: typer.Typer | None = None) -> Iterator[tuple[str, Any]]:
@@ -94,18 +95,16 @@ def _default(f: Any) -> str:
     return "`" + ("true" if f.default is True else "false" if f.default is False else repr(f.default)) + "`"
 
 
-def config_table(cls: type, sections: dict[str, tuple[str, ...]]) -> str:
-    """One table per section: TOML key, type, default, help (the docstring under each field)."""
-    hints = typing.get_type_hints(cls)
-    helps = field_help(cls)
-    by_name = {f.name: f for f in fields(cls)}
+def config_table(source: Any, sections: dict[str, tuple[str, ...]]) -> str:
+    """One table per section: TOML key, type, default, help (the docstring under each field); `source` as
+    `options.option_fields` takes it."""
+    options = {name: (hint, f, doc) for name, hint, f, doc in option_fields(source)}
     out = []
     for section, names in sections.items():
         out += [f"### `[{section}]`", "", "| key | flag | type | default | meaning |", "|---|---|---|---|---|"]
         for name in names:
-            f = by_name[name]
-            out.append(f"| `{name}` | `{flag(name)}` | `{_cell(_type_name(hints[name]))}` | {_default(f)} | "
-                       f"{_cell(helps.get(name, ''))} |")
+            hint, f, doc = options[name]
+            out.append(f"| `{name}` | `{flag(name)}` | `{_cell(_type_name(hint))}` | {_default(f)} | {_cell(doc)} |")
         out.append("")
     return "\n".join(out)
 
@@ -113,5 +112,5 @@ def config_table(cls: type, sections: dict[str, tuple[str, ...]]) -> str:
 def config_reference() -> str:
     """Markdown for `TrainConfig` and `ShardConfig`, section by section."""
     return "\n".join(["## `hpctrain train --config FILE.toml` (TrainConfig)", "",
-                      config_table(TrainConfig, TRAIN_SECTIONS),
+                      config_table(train_options(), TRAIN_SECTIONS),
                       "## `hpctrain shard` (ShardConfig)", "", config_table(ShardConfig, SHARD_SECTIONS)])

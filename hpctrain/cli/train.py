@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from ..base.config import TRAIN_RENAMED, TRAIN_SECTIONS, section_panels, TrainConfig, flatten_sections, read_toml
+from ..base.sections import TRAIN_FLAT, train_options
 from ..base.errors import ConfigError
 from .common import handle_errors, is_rank0, usage_error
 from .options import config_parameters, given, take_renamed, with_signature
@@ -24,8 +24,7 @@ def _load_toml(path: Path) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError is a ValueError
         raise ConfigError(f"--config {str(path)!r} is not valid TOML ({exc})") from exc
     data = TrainConfig.upgrade(flatten_sections(raw, TRAIN_SECTIONS))
-    valid = {f.name for f in fields(TrainConfig)} - {"extra"}
-    unknown = sorted(k for k in data if k not in valid)
+    unknown = sorted(k for k in data if k not in TRAIN_FLAT)
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(unknown)} in {str(path)!r}; valid keys are the train flags "
                           f"(`hpctrain train --help`), in the sections {', '.join(f'[{s}]' for s in TRAIN_SECTIONS)}")
@@ -47,7 +46,7 @@ def build_config(ctx: typer.Context, values: dict[str, Any], config: Path | None
         if merged.get(required) in (None, ""):
             raise ConfigError(f"--{required.replace('_', '-')} is required (or set {required} in --config)")
     try:
-        return TrainConfig(**merged)
+        return TrainConfig.from_flat(merged)
     except TypeError as exc:
         raise ConfigError(f"bad value in --config: {exc}") from exc
 
@@ -99,10 +98,10 @@ def train(
     tune_host_memory()  # before torch's first allocation, which the trainer's import is the start of
     from ..control.trainer import train as run
 
-    FLAG.exit_budget = edge_budget(cfg.collective_timeout)  # what is left after the run: MPI_Finalize waits for every rank
+    FLAG.exit_budget = edge_budget(cfg.watchdog.collective_timeout)  # what is left after the run: MPI_Finalize waits for every rank
     summary = run(cfg)
     if is_rank0():
-        if cfg.json:
+        if cfg.logging.json:
             print(json.dumps(summary))
         else:
             keys = ("world_size", "epochs", "steps", "global_batch_size", "train_loss", "val_loss", "val_accuracy",
@@ -113,12 +112,12 @@ def train(
             for key in keys:
                 value = summary.get(key)
                 print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else f"{key:>18}: {value}")
-            print(f"{'run_dir':>18}: {cfg.run_dir}", file=sys.stdout)
+            print(f"{'run_dir':>18}: {cfg.run.run_dir}", file=sys.stdout)
             if "straggler" in summary:  # --trace
-                print(f"{'timeline':>18}: {cfg.run_dir / summary['trace']['file']} (open it in ui.perfetto.dev)")
+                print(f"{'timeline':>18}: {cfg.run.run_dir / summary['trace']['file']} (open it in ui.perfetto.dev)")
                 print(f"{'straggler':>18}: {summary['straggler']['verdict']}")
 
 
-with_signature(train, config_parameters(TrainConfig, skip=("progress", "extra"), required=("data", "run_dir"),
+with_signature(train, config_parameters(train_options(), skip=("progress", "extra"), required=("data", "run_dir"),
                                         panels=section_panels(TRAIN_SECTIONS),
                                         renamed=TRAIN_RENAMED))

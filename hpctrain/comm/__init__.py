@@ -10,9 +10,9 @@ formats.
 """
 
 from .gradsync import GradSync, ZeroSync
-from .strategies import STRATEGIES, strategy_class, zero_settings
+from .strategies import STRATEGIES, strategy_class
 from .world import Comm, MpiInfo, cuda_aware, mpi_info, self_comm, world
 from .zerooptim import ShardedOptimizer, full_state, sharded_owner
 
 __all__ = ["Comm", "GradSync", "MpiInfo", "STRATEGIES", "ShardedOptimizer", "ZeroSync", "cuda_aware", "full_state",
-           "mpi_info", "self_comm", "sharded_owner", "strategy_class", "world", "zero_settings"]
+           "mpi_info", "self_comm", "sharded_owner", "strategy_class", "world"]

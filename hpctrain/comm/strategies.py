@@ -24,8 +24,3 @@ def strategy_class(stage: Any) -> type[Strategy]:
         raise ConfigError(f"ZeRO stage {stage!r} must be 0 (none), 1 (optimizer state), 2 (also gradients) or 3 "
                           "(also parameters)")
     return cls
-
-
-def zero_settings(zero: Any) -> tuple[int, str]:
-    """(stage, reducer) of a ZeRO config section (base/sections.py `ZeroConfig`): the one reader of its fields."""
-    return zero.zero, zero.zero_reduce

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..base.config import ZERO_REDUCERS
+from ..base.config import ZeroConfig, zero_refusal
 from ..base.errors import ConfigError
 from .buckets import (Bucket, Cut, Engine, Footprint, Strategy, assign_buckets, bind_bucket, flatten_params,
                       owned_bucket, pack, plan_segments, sharded_bucket)
@@ -195,14 +195,12 @@ class Sharded(Strategy):
 
     @classmethod
     def refuse(cls, compress: str, hierarchical: bool, reduce: str, module: Any, alone: list[Any]) -> None:
-        if hierarchical:
-            raise ConfigError(f"--zero {cls.stage} does not combine with --hierarchical (ZeRO reduce-scatters over "
-                              "all ranks at once): drop one of them")
-        if compress.partition(":")[0] in ("powersgd", "topk"):
-            raise ConfigError(f"--grad-compression {compress} does not combine with --zero {cls.stage} (ZeRO sums "
-                              "each rank's slice; PowerSGD and top-k need whole gradients): drop one of them")
-        if reduce not in ZERO_REDUCERS:
-            raise ConfigError(f"--zero-reduce {reduce!r}: choose one of {', '.join(ZERO_REDUCERS)}")
+        """The config's rules for a sharded stage (base/config.py, the one place they are written; here for the
+        library API, which builds no TrainConfig): a reducer, and the gradient sums ZeRO cannot shard."""
+        ZeroConfig(stage=cls.stage, reduce=reduce)
+        refusal = zero_refusal(cls.stage, compress, hierarchical)
+        if refusal is not None:
+            raise refusal
 
     def grad_tensors(self) -> list[Any]:
         """This rank's reduced slices: all of the summed gradient it holds after `wait()`."""

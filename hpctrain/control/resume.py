@@ -22,7 +22,7 @@ from ..checkpoint import state as ckptstate
 from ..base.config import TrainConfig
 from ..base.sections import ZeroConfig
 from ..base.errors import CheckpointError, brief
-from ..comm import Comm, zero_settings
+from ..comm import Comm
 from ..data.shardformat import ShardSet
 from ..checkpoint.loader import Loaded, open_checkpoint
 from ..checkpoint.resume import refuse_misfit, restore_own, resumed_line, shapes_of
@@ -86,7 +86,7 @@ def kept_reducer(zero: ZeroConfig, state: Loaded | None, world: int) -> str | No
 
     auto times the reducers at start-up and keeps the fastest; on 3 or more ranks they sum in different
     orders, so a resume that chose anew could continue with other bits than the run it resumes."""
-    if zero_settings(zero)[1] != "auto" or state is None or state.meta.get("world_size") != world:
+    if zero.reduce != "auto" or state is None or state.meta.get("world_size") != world:
         return None
     return state.meta.get("zero_reduce")
 
@@ -111,7 +111,7 @@ def restore(run: Any) -> dict[str, int]:
     meta = loaded.meta
     old = TrainConfig.upgrade(meta.get("config", {}))
     shapes = shapes_of(run.model) if run.par.plain else {k: tuple(s) for k, (s, _) in run.model.whole.items()}
-    refuse_misfit(loaded, shapes, comm, ours=f"--model {cfg.model!r} (it holds {old.get('model')!r})",
+    refuse_misfit(loaded, shapes, comm, ours=f"--model {cfg.model.spec!r} (it holds {old.get('model')!r})",
                   fix=f"start a new --run-dir for this model, or resume with --model {old.get('model')!r}",
                   keys=run.par.plain)  # a split run's names: `layoutfree` refuses a missing one in one line
     _say_resumed(run, old)
@@ -151,8 +151,8 @@ def _say_resumed(run: Any, old: dict[str, Any]) -> None:
                         global_batch=run.cursor.meta(run.par.data.size)["global_batch"])
     planned = meta.get("schedule_steps")
     notes = []
-    if cfg.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
-        notes.append(f"the {cfg.schedule} learning-rate schedule was planned over {planned} steps and now spans "
+    if cfg.optimizer.schedule != "constant" and planned is not None and int(planned) != run.total_steps:
+        notes.append(f"the {cfg.optimizer.schedule} learning-rate schedule was planned over {planned} steps and now spans "
                      f"{run.total_steps} (--epochs, --max-steps or the world size changed): from step {start.step} "
                      "on, the learning rate follows the new plan")
     for change in changes + notes:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import Comm, GradSync, zero_settings
+from ..comm import Comm, GradSync
 from ..base.sections import CommConfig, OptimizerConfig, ZeroConfig
 from ..data.reader import ShardReader
 from ..trace.spans import TRACER
@@ -202,9 +202,9 @@ def make_optimizer(cfg: OptimizerConfig, params: Any) -> Any:
 
     params = list(params)
     fused = {"fused": True} if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
-    if cfg.optimizer == "sgd":
+    if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **fused)
-    if cfg.optimizer == "adam":
+    if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
 
@@ -218,10 +218,9 @@ def make_sync(wire: CommConfig, zero: ZeroConfig, opt: OptimizerConfig, model: A
     parameter of `alone` is a bucket by itself (a pipeline's tied embedding/head, whose reduced gradient is then
     summed between two stages)."""
     optimizer = make_optimizer(opt, model.parameters())
-    stage, reducer = zero_settings(zero)
-    sync = GradSync(model.parameters(), comm, stage=stage, module=model, bucket_mb=wire.bucket_mb,
+    sync = GradSync(model.parameters(), comm, stage=zero.stage, module=model, bucket_mb=wire.bucket_mb,
                     overlap=overlap, compress=wire.grad_compression, hierarchical=wire.hierarchical,
-                    deterministic=wire.deterministic, reduce=reduce or reducer, alone=alone)
+                    deterministic=wire.deterministic, reduce=reduce or zero.reduce, alone=alone)
     return sync, sync.strategy.optimizer(optimizer)
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable
 
-from hpctrain.base.config import TrainConfig
+from hpctrain.base.sections import train_options
 from hpctrain.base.stop import EDGE_FLOOR_S
 
 EVENTS = ("none", "term-launcher", "usr2-launcher", "term-rank", "usr2-rank", "kill9-rank", "stop-rank")
@@ -58,7 +58,7 @@ PAIR_RTOL = 1e-4
 # placeholders the harness fills in per run (chaos.Harness.paths)
 STAGE_DIR, STAGE_MISSING = "{stage}", "{stage}/missing"
 WEIGHTS, WEIGHTS_OTHER, WEIGHTS_MISSING = "{weights}", "{weights_other}", "{stage}/no-such-weights.pt"
-DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+DEFAULTS = {name: f.default for name, (_, f) in train_options().items() if f.default is not MISSING}
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ SCRIPT = textwrap.dedent('''
             os.kill(os.getpid(), signal.SIGTERM)  # as from a scheduler: the handler sets the stop flag
             return copy(source, target, stopped)
         staging.copy_hashed = stopped_meanwhile
-    cfg = TrainConfig(data=Path(data), run_dir=Path(run), epochs=1, stage_to=local, progress=False)
+    cfg = TrainConfig.flat(data=Path(data), run_dir=Path(run), epochs=1, stage_to=local, progress=False)
     try:
         trainer.train(cfg, comm=comm)
         result = {"rank": comm.rank, "code": 0}

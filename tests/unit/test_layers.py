@@ -190,17 +190,28 @@ def test_each_component_receives_its_section_not_the_whole_config() -> None:
     assert not takers, f"these take a whole TrainConfig; give them its section instead: {takers}"
 
 
-def test_the_sections_hold_every_field_of_train_config_once_with_its_type() -> None:
+def test_train_config_is_its_sections_and_no_section_field_is_declared_twice() -> None:
+    """Each training option is declared once, in its section (with its default, help and check): TrainConfig
+    holds the sections themselves, no other config class re-declares a section's field (ShardConfig is another
+    command's: its `seed` is the split's), and every field has one flat name (its flag and TOML key)."""
     import typing
     from dataclasses import fields
 
     from hpctrain.base.config import TrainConfig
-    from hpctrain.base.sections import TRAIN_SECTION_CLASSES
+    from hpctrain.base.sections import TRAIN_FLAT, TRAIN_SECTION_CLASSES
 
     hints = typing.get_type_hints(TrainConfig)
-    seen: list[str] = []
-    for cls in TRAIN_SECTION_CLASSES.values():
-        for name, hint in typing.get_type_hints(cls).items():
-            assert hint == hints[name], (cls.__name__, name, hint, hints[name])
-            seen.append(name)
-    assert sorted(seen) == sorted(f.name for f in fields(TrainConfig) if f.name != "extra")
+    assert {name: hints[name] for name in TRAIN_SECTION_CLASSES} == TRAIN_SECTION_CLASSES
+    assert [f.name for f in fields(TrainConfig)] == [*TRAIN_SECTION_CLASSES, "extra"]
+    declared: dict[str, list[str]] = {}
+    for path in (PACKAGE / "base" / "config.py", PACKAGE / "base" / "sections.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        declared.setdefault(item.target.id, []).append(f"{path.stem}.{node.name}")
+    section_fields = [(section, f.name) for section, cls in TRAIN_SECTION_CLASSES.items() for f in fields(cls)]
+    twice = {f"{section}.{name}": declared[name] for section, name in section_fields
+             if len([c for c in declared[name] if c != "config.ShardConfig"]) > 1}
+    assert not twice, f"section fields declared again beside their section (declare each once, in its section): {twice}"
+    assert sorted(TRAIN_FLAT.values()) == sorted(section_fields), "a flat name given to two fields"

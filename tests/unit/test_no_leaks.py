@@ -83,7 +83,7 @@ def test_a_run_leaves_no_thread_handler_or_open_file(data: Path, tmp_path: Path,
     spec = f"{tmp_path / 'boom.py'}:factory" if model == "boom" else "mlp"
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
     for attempt in range(2):  # the second one resumes (and reopens the audit file) before failing again
-        cfg = TrainConfig(data=data, run_dir=run, model=spec, epochs=3, batch_size=16, checkpoint_every=2,
+        cfg = TrainConfig.flat(data=data, run_dir=run, model=spec, epochs=3, batch_size=16, checkpoint_every=2,
                           audit_samples=True, overlap=True, progress=False)
         if model == "boom":
             with pytest.raises(HpctrainError, match="boom"):

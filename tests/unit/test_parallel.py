@@ -66,7 +66,7 @@ def test_tp_and_pp_are_checked_with_the_config() -> None:
     for bad in (dict(tp=0), dict(pp=-1), dict(micro_batches=-1), dict(pipeline_schedule="zb"),
                 dict(micro_batches=40, batch_size=32), dict(tp=2, stage_to="/tmp")):
         with pytest.raises(ConfigError):
-            TrainConfig(data=".", run_dir=".", **bad)
+            TrainConfig.flat(data=".", run_dir=".", **bad)
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])

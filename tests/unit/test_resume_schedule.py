@@ -25,7 +25,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(data: Path, run: Path, schedule: str, max_steps: int) -> None:
-    train(TrainConfig(data=data, run_dir=run, schedule=schedule, max_steps=max_steps, epochs=5, batch_size=10,
+    train(TrainConfig.flat(data=data, run_dir=run, schedule=schedule, max_steps=max_steps, epochs=5, batch_size=10,
                       progress=False, json=True), comm=Comm(None))
 
 
@@ -55,12 +55,12 @@ def test_config_toml_beside_the_run_rebuilds_the_same_config(data: Path, tmp_pat
     from hpctrain.base.config import read_toml, read_train_toml
 
     run = tmp_path / "r"
-    cfg = TrainConfig(data=data, run_dir=run, schedule="cosine", max_steps=3, batch_size=10, lr=0.125,
+    cfg = TrainConfig.flat(data=data, run_dir=run, schedule="cosine", max_steps=3, batch_size=10, lr=0.125,
                       model="mlp:16,8:dropout=0.1", checkpoint_every="auto", progress=False, json=True)
     train(cfg, comm=Comm(None))
     text = (run / "config.toml").read_text()
     assert {"run", "data", "optimizer", "checkpoint"} <= set(read_toml(text))
-    again = TrainConfig(**read_train_toml(text))
+    again = TrainConfig.flat(**read_train_toml(text))
     assert again.to_dict() == cfg.to_dict()
 
 

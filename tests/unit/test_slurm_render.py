@@ -380,8 +380,8 @@ def test_an_element_s_flags_override_the_command_s(monkeypatch: pytest.MonkeyPat
     result = runner.invoke(app, [*SWEEP_TRAIN, "--batch-size", "4", *element["args"]])
     assert result.exit_code == 0, result.output
     cfg = seen[-1]
-    assert (cfg.lr, cfg.shuffle, cfg.batch_size) == (0.2, False, 8)
-    assert cfg.run_dir == Path("runs/s/lr=0.2_shuffle=false_batch_size=8")
+    assert (cfg.optimizer.lr, cfg.data.shuffle, cfg.data.batch_size) == (0.2, False, 8)
+    assert cfg.run.run_dir == Path("runs/s/lr=0.2_shuffle=false_batch_size=8")
 
 
 @pytest.mark.parametrize("sweep, command, needle", [

@@ -219,10 +219,10 @@ def test_a_copy_that_cannot_be_written_is_a_data_error(data: Path, dest: Path) -
 
 def test_config_checks() -> None:
     with pytest.raises(ConfigError, match="--stage-to '' must name a node-local directory"):
-        TrainConfig(data=Path("d"), run_dir=Path("r"), stage_to="")
+        TrainConfig.flat(data=Path("d"), run_dir=Path("r"), stage_to="")
     with pytest.raises(ConfigError, match="--keep-staged keeps the copies that --stage-to makes"):
-        TrainConfig(data=Path("d"), run_dir=Path("r"), keep_staged=True)
-    assert TrainConfig(data=Path("d"), run_dir=Path("r"), stage_to="auto", keep_staged=True).stage_to == "auto"
+        TrainConfig.flat(data=Path("d"), run_dir=Path("r"), keep_staged=True)
+    assert TrainConfig.flat(data=Path("d"), run_dir=Path("r"), stage_to="auto", keep_staged=True).data.stage_to == "auto"
 
 
 @pytest.mark.parametrize(

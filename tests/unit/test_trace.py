@@ -33,7 +33,7 @@ def test_a_window_selects_its_steps(spec: str, steps: list[int]) -> None:
                                   "every:0", "every:x", "100-120", "sample:3"])
 def test_a_bad_window_is_refused_in_one_line_that_shows_the_forms(spec: str) -> None:
     with pytest.raises(ConfigError) as err:
-        TrainConfig(data=".", run_dir=".", trace=spec)
+        TrainConfig.flat(data=".", run_dir=".", trace=spec)
     text = str(err.value)
     assert f"--trace {spec!r}" in text and "A:B" in text and "last:N" in text and "every:N" in text and "\n" not in text
 

@@ -17,11 +17,11 @@ import hashlib
 import itertools
 import json
 import typing
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence
 
 from ...base.config import TrainConfig
+from ...base.sections import TRAIN_FLAT, train_options
 from ...base.durable import write_text
 from ...base.errors import ConfigError, SubmissionError
 
@@ -31,25 +31,31 @@ _NOT_SWEPT = ("run_dir", "extra", "progress")
 
 def sweep_keys() -> list[str]:
     """The keys a sweep may vary: the flags of `hpctrain train` (written as flags, without the dashes)."""
-    return [f.name.replace("_", "-") for f in fields(TrainConfig) if f.name not in _NOT_SWEPT]
+    return [name.replace("_", "-") for name in TRAIN_FLAT if name not in _NOT_SWEPT]
 
 
 def _field(key: str) -> str:
     name = key.removeprefix("--").replace("-", "_")
-    if name in _NOT_SWEPT or name not in {f.name for f in fields(TrainConfig)}:
+    if name in _NOT_SWEPT or name not in TRAIN_FLAT:
         raise ConfigError(f"--sweep key {key!r} is not a flag of `hpctrain train` that a sweep can vary; valid "
                           f"keys: {', '.join(sweep_keys())}")
     return name
 
 
+def _hint(name: str) -> Any:
+    """The type of train flag NAME's field, in its section."""
+    cls, f = train_options()[name]
+    return typing.get_type_hints(cls)[f.name]
+
+
 def _is_bool(name: str) -> bool:
-    hint = typing.get_type_hints(TrainConfig)[name]
+    hint = _hint(name)
     return hint is bool or set(typing.get_args(hint)) == {bool, type(None)}
 
 
 def _value(name: str, text: str) -> Any:
     """TEXT as the train flag NAME's value, checked by TrainConfig's own rules (no I/O)."""
-    hint = typing.get_type_hints(TrainConfig)[name]
+    hint = _hint(name)
     flag = "--" + name.replace("_", "-")
     try:
         if _is_bool(name):
@@ -66,7 +72,7 @@ def _value(name: str, text: str) -> Any:
         kind = {int: "a whole number", float: "a number"}.get(hint, "true or false")
         raise ConfigError(f"--sweep {flag}: {text!r} is not {kind}") from None
     try:
-        TrainConfig(**{"data": Path("."), "run_dir": Path("."), name: value})
+        TrainConfig.flat(**{"data": Path("."), "run_dir": Path("."), name: value})
     except ConfigError as exc:
         raise ConfigError(f"--sweep: {exc}") from None
     return value

@@ -27,7 +27,7 @@ def phase(comm, runs: list[tuple[range, str, dict]]) -> None:
     sub = comm.split(color, comm.rank)
     if sub is not None:
         ranks, name, options = runs[color]
-        train(TrainConfig(run_dir=OUT / name, **{**COMMON, **options}), comm=sub)
+        train(TrainConfig.flat(run_dir=OUT / name, **{**COMMON, **options}), comm=sub)
     comm.barrier()
 
 

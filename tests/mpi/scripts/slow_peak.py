@@ -27,7 +27,7 @@ def slow_measure(*args, **kw):
 
 
 gpt.measure_peak_flops = slow_measure
-cfg = TrainConfig(data=Path(data), run_dir=Path(run), model="gpt:layers=1,dim=32,heads=2", max_steps=3,
+cfg = TrainConfig.flat(data=Path(data), run_dir=Path(run), model="gpt:layers=1,dim=32,heads=2", max_steps=3,
                   batch_size=8, collective_timeout=2.0, checkpoint_every=0, progress=False)
 summary = trainer.train(cfg, comm=comm)
 print(f"rank {comm.rank} finished, peak {summary['peak_flops']:.3g}", flush=True)

@@ -32,7 +32,7 @@ else:
 
     ckpt.write_part = slow_write_part
 # validation: a whole epoch, so that it runs inside the loop at the epoch's end, as in any real run
-cfg = TrainConfig(data=Path(data), run_dir=Path(run), epochs=1, max_steps=0 if mode == "validation" else 5,
+cfg = TrainConfig.flat(data=Path(data), run_dir=Path(run), epochs=1, max_steps=0 if mode == "validation" else 5,
                   collective_timeout=2.0,
                   checkpoint_every=0, progress=False)
 summary = trainer.train(cfg, comm=comm)
