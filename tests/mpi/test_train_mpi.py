@@ -83,6 +83,7 @@ def test_digits_reaches_accuracy_on_two_ranks(digits2: Path, tmp_path: Path) -> 
     torch.load(run / "model.pt", weights_only=True)
 
 
+@pytest.mark.quick
 def test_same_result_with_mpirun_n1_and_no_launcher(digits2: Path, tmp_path: Path) -> None:
     args = ["--data", str(digits2), "--epochs", "1", "--max-steps", "15"]
     mpirun(1, ["train", "--run-dir", str(tmp_path / "a"), *args])
@@ -91,6 +92,7 @@ def test_same_result_with_mpirun_n1_and_no_launcher(digits2: Path, tmp_path: Pat
     assert summary(tmp_path / "b")["world_size"] == 1 and summary(tmp_path / "b")["steps"] == 15
 
 
+@pytest.mark.quick
 def test_launch_runs_train_on_two_ranks(digits2: Path, tmp_path: Path) -> None:
     proc = hpctrain(["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(tmp_path / "r"),
                      "--max-steps", "10", "--json"])
