@@ -48,11 +48,16 @@ def hpctrain(args: list[str], *, timeout: float = 300, check: bool = True, env: 
 def mpi_checks(n: int, scripts: list[list[str]], *, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run several check scripts (each a list: the script's path and its arguments) on n real MPI ranks in one
     launch (tests/mpi/scripts/checks.py): the ranks start once for all of them. Not checked: each test asserts
-    its own script's marker and the launch's exit code, so the failing script's test shows its traceback."""
+    its own script's marker and the launch's exit code, so the failing script's test shows its traceback. A
+    launch past `timeout` (the sum of its scripts' own) comes back failed, so that no test launches it again."""
     args = [str(CHECKS)]
     for script in scripts:
         args += [*map(str, script), "---"]
-    return mpirun(n, args, python_module=False, timeout=timeout, check=False)
+    try:
+        return mpirun(n, args, python_module=False, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        out, err = (text.decode() if isinstance(text, bytes) else text or "" for text in (exc.stdout, exc.stderr))
+        return subprocess.CompletedProcess(exc.cmd, -9, out, f"{err}\nkilled after {timeout} s")
 
 
 def summary(run_dir: Path) -> dict:

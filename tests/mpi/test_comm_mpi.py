@@ -22,7 +22,7 @@ def launched() -> dict:
     def at(n: int):
         if n not in runs:
             scripts = [[SCRIPT], [SCRIPTS / "reducers_check.py"], [SCRIPTS / "pieces_check.py"]]
-            runs[n] = mpi_checks(n, scripts + ([[SCRIPTS / "probe_check.py"]] if n == 2 else []), timeout=480)
+            runs[n] = mpi_checks(n, scripts + ([[SCRIPTS / "probe_check.py"]] if n == 2 else []), timeout=600)
         return runs[n]
 
     return at
