@@ -1,4 +1,4 @@
-# hpctrain: `make demo` runs the main job end to end, `make test` runs the whole suite.
+# hpctrain: `make demo` runs the main job end to end, `make test` runs the whole suite, `make check` its quick tier.
 # Both install what is missing on a fresh Debian machine (apt packages, .venv, the project).
 
 SHELL := /bin/bash
@@ -10,7 +10,7 @@ APT_PACKAGES := openmpi-bin libopenmpi-dev shellcheck
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 
-.PHONY: demo test docs deps venv clean slurm-up slurm-down slurm-status bench-slurm soak
+.PHONY: demo test check docs deps venv clean slurm-up slurm-down slurm-status bench-slurm soak
 
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -46,6 +46,11 @@ else
 	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "not alone" tests
 	$(PY) -m pytest -q -ra -m alone tests
 endif
+
+# The quick tier for the edit-test loop: every unit test and the few 1-2 rank MPI smoke tests marked `quick`,
+# on two workers; it stops at the first failure. Its time is in docs/development.md.
+check: venv
+	$(PY) -m pytest -q -x -ra -n $(TEST_WORKERS) --dist loadfile -m quick tests/unit tests/mpi
 
 # the documentation site (MkDocs), built strictly: a broken link, a missing page or a bad docstring fails
 docs: venv

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+import launchcount
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+CHECKS = ROOT / "tests" / "mpi" / "scripts" / "checks.py"
 
 
 def mpi_env(**extra: str) -> dict[str, str]:
@@ -42,6 +45,21 @@ def hpctrain(args: list[str], *, timeout: float = 300, check: bool = True, env: 
     return proc
 
 
+def mpi_checks(n: int, scripts: list[list[str]], *, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run several check scripts (each a list: the script's path and its arguments) on n real MPI ranks in one
+    launch (tests/mpi/scripts/checks.py): the ranks start once for all of them. Not checked: each test asserts
+    its own script's marker and the launch's exit code, so the failing script's test shows its traceback. A
+    launch past `timeout` (the sum of its scripts' own) comes back failed, so that no test launches it again."""
+    args = [str(CHECKS)]
+    for script in scripts:
+        args += [*map(str, script), "---"]
+    try:
+        return mpirun(n, args, python_module=False, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        out, err = (text.decode() if isinstance(text, bytes) else text or "" for text in (exc.stdout, exc.stderr))
+        return subprocess.CompletedProcess(exc.cmd, -9, out, f"{err}\nkilled after {timeout} s")
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -52,6 +70,39 @@ def digits2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("digits") / "data"
     hpctrain(["shard", "digits", str(out), "--shards", "2"])
     return out
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every unit test is in the quick tier (`-m quick`, `make check`) by its folder."""
+    for item in items:
+        if item.nodeid.startswith("tests/unit/"):
+            item.add_marker(pytest.mark.quick)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`HPCTRAIN_TEST_LAUNCHES=FILE`: count the processes each test starts (tests/launchcount.py)."""
+    path = os.environ.get("HPCTRAIN_TEST_LAUNCHES")
+    if not path or getattr(subprocess.Popen, "_counted", False):
+        return
+    if not hasattr(config, "workerinput") and os.path.exists(path):
+        os.unlink(path)  # a fresh count per run; the workers start after the controller's configure
+    start = subprocess.Popen.__init__
+
+    def counted(self: subprocess.Popen, args: object, *rest: object, **kw: object) -> None:
+        if isinstance(args, (list, tuple)):
+            launchcount.record(path, args)
+        start(self, args, *rest, **kw)
+
+    subprocess.Popen.__init__ = counted  # type: ignore[method-assign]
+    subprocess.Popen._counted = True  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
+    path = os.environ.get("HPCTRAIN_TEST_LAUNCHES")
+    if path and not hasattr(config, "workerinput") and os.path.exists(path):
+        terminalreporter.write_sep("=", "processes started per test file (HPCTRAIN_TEST_LAUNCHES)")
+        for line in launchcount.table(Path(path).read_text().splitlines()):
+            terminalreporter.write_line(line)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -1,4 +1,4 @@
-"""`hpctrain bench allreduce | train`: the benchmarks behind docs/performance.md."""
+"""`hpctrain bench allreduce | train | data | startup`: the benchmarks behind docs/performance.md."""
 
 from __future__ import annotations
 
@@ -286,3 +286,21 @@ def data(
     if result["held"]:
         print("  (one window holds each rank's split: read at the first epoch, held in memory after it)")
     print("  first batch of each epoch " + ", ".join(f"{v:.1f}" for v in result["first_batch_ms"]) + " ms")
+
+
+@app.command()
+@handle_errors
+def startup(
+    n: Annotated[int, typer.Option("-n", "--np", help="Ranks of the measured run.")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Time from `hpctrain launch -n N -- train` to its first step, and its parts: import torch, the
+    torch._dynamo import of torch.optim's first step, MPI init, and ours (the rest). Runs the real command
+    twice on the digits dataset: as a user does, and under Python's import timer for the parts.
+
+    Example: hpctrain bench startup -n 2
+    """
+    from ..tools.benchstartup import format_startup, measure_startup
+
+    result = measure_startup(n)
+    print(json.dumps(result) if json_out else format_startup(result))

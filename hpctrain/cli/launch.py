@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -28,4 +29,7 @@ def launch(
         if cfg is None:  # --help, printed once
             return
         precheck_train(cfg.data.path, cfg.model.init_weights, n, cfg.parallel.tp * cfg.parallel.pp)
+    if sys.stderr.isatty():  # at once: a rank's first line comes after it has imported torch and joined MPI
+        print(f"hpctrain launch: starting {command[0]} on {n} rank(s); each imports torch and joins MPI before "
+              "its first step", file=sys.stderr, flush=True)  # piped or logged, the run's first line is its own
     raise typer.Exit(run(n, command, grace=grace))

@@ -10,7 +10,6 @@ import typer
 
 from ..base.rankenv import read_env
 from ..base.stop import FLAG, finishing, unblock
-from . import bench, container, doctor, generate, launch, plan, report, shard, submit, train
 from .common import usage_error
 from .helpformat import App
 
@@ -38,18 +37,31 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """The options of `hpctrain` itself (the app's help is above)."""
 
 
-app.command()(shard.shard)
-app.command()(shard.verify)
-app.command()(train.train)
-app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(launch.launch)
-app.command()(doctor.doctor)
-app.command()(doctor.info)
-app.command()(report.report)
-app.command()(plan.plan)
-app.command()(generate.generate)
-submit.register(app)
-app.add_typer(container.app, name="container")
-app.add_typer(bench.app, name="bench")
+def _register(only_train: bool) -> None:
+    """The commands, in the order `--help` lists them. For `hpctrain train`, what every rank runs, train alone:
+    a rank then imports no other command's modules (Slurm, containers, benchmarks) before its first step."""
+    from . import train
+
+    if only_train:
+        app.command()(train.train)
+        return
+    from . import bench, container, doctor, generate, launch, plan, report, shard, submit
+
+    app.command()(shard.shard)
+    app.command()(shard.verify)
+    app.command()(train.train)
+    app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(launch.launch)
+    app.command()(doctor.doctor)
+    app.command()(doctor.info)
+    app.command()(report.report)
+    app.command()(plan.plan)
+    app.command()(generate.generate)
+    submit.register(app)
+    app.add_typer(container.app, name="container")
+    app.add_typer(bench.app, name="bench")
+
+
+_register(sys.argv[1:2] == ["train"])
 
 
 def _run() -> None:

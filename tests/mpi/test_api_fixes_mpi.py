@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -55,27 +56,51 @@ def bounded(n: int, script: str, *args: str, timeout: float = 60) -> str:
     return out
 
 
+@pytest.fixture(scope="module")
+def api_checks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
+    """The check scripts of one world size in one launch (tests/mpi/scripts/checks.py: the ranks start once for
+    all), made when a test first asks for it: a broadcast of the optimizer state, the LR schedulers and a
+    Checkpointer's schedule at each ZeRO stage its test names. Each script keeps its own deadline, summed."""
+    runs: dict[int, str | BaseException] = {}
+
+    def at(n: int) -> str:
+        if n not in runs:
+            run = tmp_path_factory.mktemp(f"api{n}")
+            cases = [("api_bcast_state_check.py", 60), ("api_sched_check.py", 120)]
+            cases += [(f"api_ckpt_sched_check.py {run / f'zero{z}'} {z}", 60) for z in ((0,) if n == 1 else (0, 2))]
+            args = [a for script, _ in cases for a in (str(SCRIPTS / script.split()[0]), *script.split()[1:], "---")]
+            try:
+                runs[n] = bounded(n, "checks.py", *args, timeout=sum(t for _, t in cases))
+            except BaseException as exc:  # noqa: B036 (pytest.fail's exception): every test of this launch fails
+                runs[n] = exc
+        if isinstance(runs[n], BaseException):
+            raise runs[n]
+        return runs[n]
+
+    return at
+
+
 @pytest.mark.parametrize("n", [1, 2])
-def test_broadcast_optimizer_state_at_every_zero_stage_and_to_ranks_without_state(n: int) -> None:
+def test_broadcast_optimizer_state_at_every_zero_stage_and_to_ranks_without_state(api_checks, n: int) -> None:
     """Before the fix, zero=1/2 hung: root gathered the sharded state (a collective) while the others waited
     in the broadcast."""
-    out = bounded(n, "api_bcast_state_check.py")
+    out = api_checks(n)
     assert f"BCAST STATE OK {n}" in out, out
     assert all(out.count(f"zero {z} ok") == n for z in (0, 1, 2)), out
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_lr_schedulers_drive_every_zero_stage_wherever_they_are_attached(n: int) -> None:
+def test_lr_schedulers_drive_every_zero_stage_wherever_they_are_attached(api_checks, n: int) -> None:
     """LambdaLR and StepLR on the user's optimizer (before or after wrapping) or on the DistributedOptimizer:
     zero=1/2 end with zero=0's parameters (before the fix the sharded optimizer stepped a copy of the param
     groups that no scheduler saw, and a scheduler on the DistributedOptimizer was refused: not an Optimizer)."""
-    out = bounded(n, "api_sched_check.py", timeout=120)
+    out = api_checks(n)
     assert f"SCHED OK {n}" in out, out
 
 
 @pytest.mark.parametrize("n,zero", [(1, 0), (2, 0), (2, 2)])
-def test_a_checkpointer_resumes_the_lr_schedule(tmp_path: Path, n: int, zero: int) -> None:
-    out = bounded(n, "api_ckpt_sched_check.py", str(tmp_path / "run"), str(zero))
+def test_a_checkpointer_resumes_the_lr_schedule(api_checks, n: int, zero: int) -> None:
+    out = api_checks(n)
     assert f"CKPT SCHED OK {n} {zero}" in out, out
 
 

@@ -7,13 +7,15 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from conftest import ROOT, hpctrain, mpirun, summary
+from conftest import ROOT, hpctrain, mpi_checks, mpirun, summary
 
 pytestmark = pytest.mark.mpi
 EXAMPLES = ROOT / "examples"
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def test_seed_template_converted(tmp_path: Path) -> None:
@@ -65,19 +67,32 @@ def test_import_is_cheap() -> None:
     assert out == ["False", "False"]
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_distributed_optimizer_gives_the_mean_gradient(n: int) -> None:
-    proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "api_check.py")], python_module=False)
-    assert f"API OK {n}" in proc.stdout
+@pytest.fixture(scope="module")
+def api_checks() -> Callable[[int], subprocess.CompletedProcess]:
+    """Both API check scripts of one world size in one launch (`mpi_checks`), made when a test first asks."""
+    runs: dict[int, subprocess.CompletedProcess] = {}
+
+    def at(n: int) -> subprocess.CompletedProcess:
+        if n not in runs:
+            runs[n] = mpi_checks(n, [[SCRIPTS / "api_check.py"], [SCRIPTS / "api_mean_check.py"]], timeout=600)
+        return runs[n]
+
+    return at
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_a_fused_optimizer_divides_the_sum_in_its_kernel_and_grad_holds_the_mean(n: int) -> None:
+def test_distributed_optimizer_gives_the_mean_gradient(api_checks, n: int) -> None:
+    proc = api_checks(n)
+    assert f"API OK {n}" in proc.stdout and proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_fused_optimizer_divides_the_sum_in_its_kernel_and_grad_holds_the_mean(api_checks, n: int) -> None:
     """SGD with momentum and weight decay, Adam, AdamW, fused and not, at every ZeRO stage: three steps each against
     the same optimizer stepped on the mean of every rank's gradient, `.grad` the mean after step() and after
     synchronize()."""
-    proc = mpirun(n, [str(Path(__file__).parent / "scripts" / "api_mean_check.py")], python_module=False)
-    assert f"API MEAN OK {n}" in proc.stdout
+    proc = api_checks(n)
+    assert f"API MEAN OK {n}" in proc.stdout and proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("order", ["zero-first", "zero-last"])

@@ -84,6 +84,7 @@ def test_train_continued_on_another_world_size_counts_the_run_s_epochs_and_says_
     assert (summary(run)["steps"], summary(run)["epochs"]) == (45 + 23, 2), summary(run)
 
 
+@pytest.mark.quick
 def test_train_resumed_mid_epoch_with_another_batch_size_trains_every_sample_of_the_epoch_once(
         digits2: Path, tmp_path: Path) -> None:
     """Before: the rest of the epoch was counted at the new batch size: 5 steps of 32 per rank resumed at 16

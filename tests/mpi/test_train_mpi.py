@@ -83,6 +83,7 @@ def test_digits_reaches_accuracy_on_two_ranks(digits2: Path, tmp_path: Path) -> 
     torch.load(run / "model.pt", weights_only=True)
 
 
+@pytest.mark.quick
 def test_same_result_with_mpirun_n1_and_no_launcher(digits2: Path, tmp_path: Path) -> None:
     """Also: `train` tunes host memory and says so in its log, and opting out (HPCTRAIN_HOST_TUNING=0) changes
     that line only, not the result."""
@@ -96,6 +97,7 @@ def test_same_result_with_mpirun_n1_and_no_launcher(digits2: Path, tmp_path: Pat
     assert "host memory: left as it is" in (tmp_path / "b" / "logs" / "rank-0000.log").read_text()
 
 
+@pytest.mark.quick
 def test_launch_runs_train_on_two_ranks(digits2: Path, tmp_path: Path) -> None:
     proc = hpctrain(["launch", "-n", "2", "--", "train", "--data", str(digits2), "--run-dir", str(tmp_path / "r"),
                      "--max-steps", "10", "--json"])

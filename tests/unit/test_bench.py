@@ -125,3 +125,19 @@ def test_bench_train_prints_the_limit_and_stage_0_beside_a_sharded_step() -> Non
                      "--rounds", "1", "--zero", "1"], timeout=180)
     assert "plus one raw allreduce in the step:" in proc.stdout, proc.stdout
     assert "with the allreduce timed back to back instead" in proc.stdout and "stage 0 step" in proc.stdout
+
+
+def test_bench_startup_takes_each_part_from_the_import_timer_of_the_ranks() -> None:
+    """Each process prints a module once, where it first imports it: a part is the mean over the ranks."""
+    from hpctrain.tools.benchstartup import format_startup, import_parts
+
+    lines = ["import time: self [us] | cumulative | imported package",
+             "import time:     21944 |    1200000 |       torch", "import time:     20000 |    1400000 | torch",
+             "import time:       776 |    1000000 | torch._dynamo", "import time:       700 |    1200000 | torch._dynamo",
+             "import time:    327060 |     300000 | mpi4py.MPI", "import time:     327060 |     500000 | mpi4py.MPI",
+             "import time:       100 |       9000 |   torch.optim", "epoch 1 step 1/23"]
+    parts = import_parts(lines)
+    assert parts == pytest.approx({"import_torch_s": 1.3, "torch_dynamo_s": 1.1, "mpi_init_s": 0.4})
+    line = format_startup({"ranks": 2, "first_step_s": 3.5, "first_line_s": 0.3, **parts, "ours_s": 0.7})
+    assert line == ("start-up on 2 ranks: 3.50 s to the first step, of which import torch 1.30, torch._dynamo 1.10, "
+                    "MPI init 0.40, ours 0.70 (the first line after 0.30 s)")
