@@ -300,7 +300,7 @@ def startup(
 
     Example: hpctrain bench startup -n 2
     """
-    from ..tools.benchstartup import format_startup, measure_startup
+    from ..bench.startup import format_startup, measure_startup
 
     result = measure_startup(n)
     print(json.dumps(result) if json_out else format_startup(result))

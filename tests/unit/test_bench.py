@@ -129,7 +129,7 @@ def test_bench_train_prints_the_limit_and_stage_0_beside_a_sharded_step() -> Non
 
 def test_bench_startup_takes_each_part_from_the_import_timer_of_the_ranks() -> None:
     """Each process prints a module once, where it first imports it: a part is the mean over the ranks."""
-    from hpctrain.tools.benchstartup import format_startup, import_parts
+    from hpctrain.bench.startup import format_startup, import_parts
 
     lines = ["import time: self [us] | cumulative | imported package",
              "import time:     21944 |    1200000 |       torch", "import time:     20000 |    1400000 | torch",
