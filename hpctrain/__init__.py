@@ -7,7 +7,7 @@ loads on first use; see `hpctrain.api`. `tune_host_memory` tunes the process's h
 (`base.hostmem`): `init()` calls it, and a script that builds its model before `init()` calls it first.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _HOSTMEM = ("tune_host_memory",)
 _API = ("Context", "init", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
