@@ -24,7 +24,7 @@ from typing import Any
 from ..comm.wire import torch_dtype
 from ..compute.models import build_model
 from ..data.shardformat import ShardSet
-from .watchdog import waiting
+from .watchdog import waiting, working
 
 
 def build(spec: str, shardset: ShardSet) -> Any:
@@ -101,7 +101,8 @@ def flops_and_peak(model: Any, seq_len: int, comm: Any, device: Any, precision: 
         fpt = 6 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with waiting(watchdog, "start-up: the ranks meet to measure their peak FLOP/s together (language models)"):
         comm.barrier()
-    mine = measure_peak_flops(device, dtype=torch_dtype(precision), seconds=0.3)
+    with working(watchdog):  # inside a caller's wait too (a bench's start-up): this rank's own work, unwatched
+        mine = measure_peak_flops(device, dtype=torch_dtype(precision), seconds=0.3)
     with waiting(watchdog, "start-up: summing the ranks' peak FLOP/s (no budget: a slow measurement is load, not a "
                  "hang)", budget=0):
         peak = float(comm.allreduce_array([mine])[0])

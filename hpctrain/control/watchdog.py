@@ -116,6 +116,16 @@ class Watchdog:
         else:
             self.phase(*before)
 
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """A block of this rank's own work, which waits for no other rank (a measurement, validation compute):
+        unwatched however long load makes it, even inside a wait; after it, the wait it was in again (from now)."""
+        before = (self._phase, self._step, self._budget)
+        self.idle()
+        yield
+        if before[0] is not None:
+            self.phase(*before)
+
     def at_edge(self, budget: float | None) -> None:
         """From now on, waits get `budget` by default instead of the collective timeout (None: back to it).
 
@@ -277,6 +287,11 @@ def waiting(watchdog: Watchdog | None, what: str, step: int | None = None,
             budget: float | None = None) -> ContextManager[None]:
     """`watchdog.waiting(...)`, or nothing where no watchdog watches (a caller of the library's own)."""
     return contextlib.nullcontext() if watchdog is None else watchdog.waiting(what, step, budget)
+
+
+def working(watchdog: Watchdog | None) -> ContextManager[None]:
+    """`watchdog.working()`, or nothing where no watchdog watches."""
+    return contextlib.nullcontext() if watchdog is None else watchdog.working()
 
 
 def end_job(comm: Any, error: HpctrainError) -> None:
