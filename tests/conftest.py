@@ -15,11 +15,13 @@ import launchcount
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 CHECKS = ROOT / "tests" / "mpi" / "scripts" / "checks.py"
+SITE = ROOT / "tests" / "whole_lines"  # its sitecustomize makes every launched process print whole lines
 
 
 def mpi_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(SITE), env.get("PYTHONPATH")])))
     env.update(extra)
     return env
 

@@ -83,8 +83,19 @@ def _run() -> None:
     sys.exit(code if isinstance(code, int) else 0)  # an Exit's code (a command itself returns None)
 
 
+def _whole_lines() -> None:
+    """Each line printed goes out in one write, at once: under PYTHONUNBUFFERED=1, print() would write its
+    pieces one by one, and mpirun or srun, forwarding every rank's writes as they come, would break one rank's
+    line with another's; block-buffered (a pipe without it), progress would come late."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # absent when a caller replaced the stream
+        if reconfigure is not None:
+            reconfigure(write_through=False, line_buffering=True)
+
+
 def main() -> None:
     """The process entry (console script and `python -m hpctrain`)."""
+    _whole_lines()
     training = sys.argv[1:2] == ["train"]
     if training or sys.argv[1:2] == ["launch"]:  # a stop during start-up is kept: for the first step boundary,
         FLAG.install()  # or, in the launcher, to end the job before it starts

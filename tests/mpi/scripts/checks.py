@@ -28,10 +28,6 @@ def fail(script: str) -> None:
     os._exit(1)
 
 
-# every line in one write: unbuffered (PYTHONUNBUFFERED), print() writes its pieces one by one, and mpirun
-# forwards the ranks' writes as they come, so one rank's line could break another's ("PIECES OKPROBE OK 1")
-sys.stdout.reconfigure(write_through=False, line_buffering=True)
-sys.stderr.reconfigure(write_through=False, line_buffering=True)
 for argv in groups(sys.argv[1:]):
     sys.argv = argv
     try:
