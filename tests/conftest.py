@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -15,7 +17,9 @@ import launchcount
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 CHECKS = ROOT / "tests" / "mpi" / "scripts" / "checks.py"
-SITE = ROOT / "tests" / "whole_lines"  # its sitecustomize makes every launched process print whole lines
+SITE = ROOT / "tests" / "startup"  # its sitecustomize: whole lines, and warm ranks (warmranks.py)
+sys.path.insert(0, str(SITE))
+import warmranks  # noqa: E402
 
 
 def mpi_env(**extra: str) -> dict[str, str]:
@@ -72,6 +76,42 @@ def digits2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("digits") / "data"
     hpctrain(["shard", "digits", str(out), "--shards", "2"])
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """This worker's warm-rank server (tests/startup/warmranks.py): the MPI ranks its tests start fork from a
+    process that imported torch once. `HPCTRAIN_WARM_RANKS=0` runs every rank cold."""
+    if os.environ.get(warmranks.SOCKET_VAR) == "0":
+        os.environ.pop(warmranks.SOCKET_VAR)
+        yield
+        return
+    folder = tmp_path_factory.mktemp("warm")
+    path = str(folder / "s")
+    log = open(folder / "server.log", "w")
+    server = subprocess.Popen([PYTHON, str(SITE / "warmranks.py"), path], env=mpi_env(), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        ready = bool(select.select([server.stdout], [], [], 300)[0]) and server.stdout.readline().strip() == "ready"
+        if ready:
+            os.environ[warmranks.SOCKET_VAR] = path
+        yield
+    finally:
+        os.environ.pop(warmranks.SOCKET_VAR, None)
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(autouse=True)
+def _cold_ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked `cold` starts its ranks as fresh processes (see tests/startup/warmranks.py for when)."""
+    if request.node.get_closest_marker("cold"):
+        monkeypatch.delenv(warmranks.SOCKET_VAR, raising=False)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,7 +16,8 @@ import pytest
 
 from chaos import EVENTS, Harness, draw_case, event_of, repro_command, subreaper
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+# cold ranks: the judge finds ranks in the process tree and stops one with SIGSTOP (tests/startup/warmranks.py)
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cold]
 
 SEED = 36
 # index: world size, event, what else it exercises (full config: `python benchmarks/soak.py --seed 36 --case K`)

@@ -18,6 +18,8 @@ import pytest
 from conftest import PYTHON, hpctrain, mpi_env, mpirun, summary
 
 pytestmark = pytest.mark.mpi
+# `cold`: a test that finds ranks in the launcher's process tree to signal them, or that stops one (SIGSTOP), runs
+# them as fresh processes (tests/startup/warmranks.py)
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
@@ -109,6 +111,7 @@ def _exe(pid: int) -> str:
         return "/env"
 
 
+@pytest.mark.cold
 def test_stop_signal_ends_a_job_whose_rank_is_stuck(digits2: Path, tmp_path: Path) -> None:
     """SIGTERM to the launcher while one rank is stopped (SIGSTOP: stuck, it can never agree to stop): the
     launcher ends the job itself `--grace` seconds later. It used to wait forever."""
@@ -138,6 +141,7 @@ def test_stop_signal_ends_a_job_whose_rank_is_stuck(digits2: Path, tmp_path: Pat
             proc.wait()
 
 
+@pytest.mark.cold
 def test_a_rank_stopped_after_the_others_exited_does_not_hold_the_job(tmp_path: Path) -> None:
     """Rank 1 stops itself while rank 0 exits: nothing inside the job can notice any more (its peers are
     gone), and mpirun would wait for it forever. The launcher ends the job `--grace` seconds later."""
@@ -180,6 +184,7 @@ def test_the_launcher_sleeps_while_its_job_runs_and_still_answers_a_stop_at_once
             proc.wait()
 
 
+@pytest.mark.cold
 def test_a_stop_in_a_rank_s_first_milliseconds_is_kept_not_fatal(digits2: Path, tmp_path: Path) -> None:
     """SIGTERM to a rank the moment it exists, while its interpreter starts and long before it could install a
     handler: the rank starts with the stop signals blocked (pending, not lost) and takes them once its handler
@@ -261,6 +266,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.cold
 def test_a_bench_whose_rank_is_stuck_ends_instead_of_hanging() -> None:
     """`hpctrain bench` had no watchdog: one whose peer was stuck (its launcher had died) sat for an hour. Rank 1
     is stopped once both ranks are measuring (each has spent 8 s of CPU: start-up takes 3-4 s of it); rank
@@ -302,6 +308,7 @@ def test_an_unexpected_error_on_one_rank_leaves_its_traceback_in_the_log_it_name
     assert "Traceback (most recent call last)" in log.read_text() and "raise ZeroDivisionError" in log.read_text()
 
 
+@pytest.mark.cold
 def test_a_stop_during_start_up_ends_the_job_there(digits2: Path, tmp_path: Path) -> None:
     """A stop while the ranks start (rank 1 takes 3 s longer to build its model): the job used to go through the
     whole start-up and the first step to checkpoint it, which on a busy node outlasted the launcher's --grace

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import hpctrain, mpirun
 
-pytestmark = pytest.mark.mpi
+# cold ranks: start-up is what these measure (tests/startup/warmranks.py)
+pytestmark = [pytest.mark.mpi, pytest.mark.cold]
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
