@@ -4,7 +4,8 @@ Every launch of hpctrain or of a test script pays its interpreters' start-up (im
 `torch._dynamo` import of torch.optim's first step, MPI init) before it does anything, so the number of
 interpreters a file starts is the first thing to look at when the suite is slow. With
 `HPCTRAIN_TEST_LAUNCHES=FILE`, tests/conftest.py appends one line per process a test starts to FILE (each
-pytest-xdist worker too), and the run ends with a table of them per test file (`table`).
+pytest-xdist worker too: the test, the interpreters it starts and its first 8 arguments, to tell `mpirun` ranks
+from `hpctrain` alone), and the run ends with a table of them per test file (`table`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def record(path: str, argv: Sequence[str]) -> None:
     if not interpreters:
         return
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
-    line = json.dumps({"test": test, "interpreters": interpreters}) + "\n"
+    line = json.dumps({"test": test, "interpreters": interpreters, "argv": [str(a) for a in argv][:8]}) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
