@@ -108,11 +108,12 @@ def test_a_warm_rank_runs_a_module_too() -> None:
 
 
 @pytest.mark.parametrize("env", [mpi_env, cold_env], ids=["warm", "cold"])
-def test_a_signal_to_mpirun_reaches_the_program_and_its_exit_comes_back(tmp_path: Path, env: object) -> None:
+def test_a_signal_to_mpirun_reaches_the_program_and_its_exit_comes_back(tmp_path: Path,
+                                                                        env: Callable[..., dict[str, str]]) -> None:
     script = tmp_path / "forever.py"
     script.write_text(FOREVER)
     proc = subprocess.Popen(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", PYTHON, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())  # type: ignore[operator]
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     assert proc.stdout is not None
     pids = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
     out, err = ended_after(proc, lambda: os.kill(proc.pid, signal.SIGTERM))
@@ -158,14 +159,14 @@ def test_hpctrain_train_alone_runs_warm_and_ends_as_it_does_cold(digits2: Path, 
 
 
 @pytest.mark.parametrize("env", [mpi_env, cold_env], ids=["warm", "cold"])
-def test_a_signal_ignored_at_start_still_reaches_a_program_that_takes_it_later(digits2: Path, tmp_path: Path,
-                                                                            env: object) -> None:
+def test_a_signal_ignored_at_start_still_reaches_a_program_that_takes_it_later(
+        digits2: Path, tmp_path: Path, env: Callable[..., dict[str, str]]) -> None:
     """A pytest-xdist worker ignores SIGINT, and so does every process it starts until the program takes it
     (the trainer does): Ctrl-C to `hpctrain train` alone then stops it at a step, warm or cold."""
     run = tmp_path / "run"
     proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "train", "--data", str(digits2), "--run-dir", str(run),
                              "--model", "mlp:64", "--batch-size", "8", "--max-steps", "400", "--log-every", "1"],
-                            env=env(HPCTRAIN_TEST_STRAGGLER="0:0.03"), stdout=subprocess.PIPE,  # type: ignore[operator]
+                            env=env(HPCTRAIN_TEST_STRAGGLER="0:0.03"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 120
@@ -173,3 +174,18 @@ def test_a_signal_ignored_at_start_still_reaches_a_program_that_takes_it_later(d
         time.sleep(0.1)
     _, err = ended_after(proc, lambda: os.killpg(proc.pid, signal.SIGINT))
     assert proc.returncode == 3 and "stopped by SIGINT at step" in err, (proc.returncode, err[-2000:])
+
+
+@pytest.mark.parametrize("code", ["raise ValueError('boom')", "import sys; sys.exit('bad input')"])
+def test_a_warm_rank_ends_with_what_a_fresh_one_prints_and_returns(tmp_path: Path, code: str) -> None:
+    """An uncaught exception (its traceback, from the program on) or `sys.exit(message)` ends a copy as it
+    ends a fresh interpreter: the same stderr from the rank, the same exit code."""
+    script = tmp_path / "end.py"
+    script.write_text(f"from mpi4py import MPI\n{code}\n")
+    ends = []
+    for env in (mpi_env(), cold_env()):
+        proc = subprocess.run(["mpirun", "-n", "1", PYTHON, str(script)], capture_output=True, text=True,
+                              timeout=120, env=env)
+        said = proc.stderr.split("-" * 74)[0]  # the rank's own lines, before mpirun's report
+        ends.append((proc.returncode, said))
+    assert ends[0] == ends[1] and ends[0][0] != 0 and ends[0][1].strip(), ends

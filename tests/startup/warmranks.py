@@ -3,10 +3,12 @@
 Most of a rank's start-up is importing torch and the `torch._dynamo` that torch.optim's first step imports
 (about 3 s of CPU), and the suite starts hundreds of ranks. Each pytest worker keeps one server (`serve`), a
 Python process that has imported them once; a rank that `mpirun` starts for a test (its environment has
-`OMPI_COMM_WORLD_RANK` and `HPCTRAIN_WARM_RANKS`, the server's socket) hands itself over from
+`OMPI_COMM_WORLD_RANK` and `HPCTRAIN_WARM_RANKS`, the server's socket), or `hpctrain train` or `plan` started
+alone outside a Slurm job, hands itself over from
 `sitecustomize` (`hand_over`) before its program runs: it sends the server its standard streams, its command
 line, environment, working directory, umask and signal state, and the server forks a copy of itself that takes
-them on and runs the program as `python` would have. The process `mpirun` started stays as the rank's stand-in:
+them on and runs the program as `python` would have, and ends as `python` would, less freeing the modules it
+shares with the server (`end`). The process `mpirun` started stays as the rank's stand-in:
 it passes on every signal it can catch to the copy, and ends as the copy ended (its exit code, or the same
 signal). The server kills a copy whose stand-in has died (kill -9 included).
 
@@ -22,6 +24,8 @@ server runs with; anything else (`-c`, `-X ...`, another interpreter) starts col
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import select
@@ -29,6 +33,8 @@ import signal
 import socket
 import struct
 import sys
+import threading
+from typing import NoReturn
 
 SOCKET_VAR = "HPCTRAIN_WARM_RANKS"
 _threads_alone = 0  # torch's threads in a fresh process with no MPI around (warm_up)
@@ -344,8 +350,56 @@ def run(request: dict) -> None:
     exec(code, main.__dict__)
 
 
+def end(request: dict) -> NoReturn:
+    """Run the program and end the copy as the interpreter would, less tearing down the modules the copy
+    shares with the server (torch's take about 0.8 s of CPU to free, at every exit): the program's own
+    objects go, non-daemon threads are joined, atexit runs, MPI is finalised (mpi4py asks for that at the
+    very end of the interpreter's teardown), the streams are flushed; then the exit code, or SIGINT for a
+    KeyboardInterrupt nothing caught."""
+    code, interrupted = 0, False
+    try:
+        run(request)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # what the interpreter prints for an uncaught exception, from the program on
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    main = sys.modules.get("__main__")
+    if main is not None:
+        main.__dict__.clear()
+    gc.collect()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and \
+            getattr(sys.modules["mpi4py"].rc, "finalize", None) is not False:
+        mpi.Finalize()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 120
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
     _request, _fds = serve(sys.argv[1])
     become(_request, _fds)
     del _fds
-    run(_request)
+    end(_request)
