@@ -38,8 +38,9 @@ def slurm_cluster():
 
 
 def srun_argv(n: int, name: str, data: Path, run: Path, *args: str) -> list[str]:
-    return ["srun", "-N", str(n), "-n", str(n), "--mpi=pmix", "-J", name, sys.executable, "-m", "hpctrain",
-            "train", "--data", str(data), "--run-dir", str(run), *args]
+    # --quiet: srun's own notes ("job N queued and waiting for resources") would come before the run's lines
+    return ["srun", "--quiet", "-N", str(n), "-n", str(n), "--mpi=pmix", "-J", name, sys.executable, "-m",
+            "hpctrain", "train", "--data", str(data), "--run-dir", str(run), *args]
 
 
 def srun(argv: list[str]) -> subprocess.CompletedProcess:
