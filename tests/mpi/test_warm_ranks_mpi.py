@@ -16,6 +16,7 @@ from typing import Callable
 import pytest
 
 from conftest import PYTHON, mpi_env, mpirun
+from hpctrain.tools.launch import children_states
 
 pytestmark = pytest.mark.mpi
 
@@ -44,17 +45,6 @@ time.sleep(120)
 """
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
-
-
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -71,6 +61,16 @@ def ended_after(proc: subprocess.Popen, act: Callable[[], None]) -> tuple[str, s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def start_forever(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, list[int]]:
+    """FOREVER on 2 ranks; returns the job and the pids its programs report."""
+    script = tmp_path / "forever.py"
+    script.write_text(FOREVER)
+    proc = subprocess.Popen(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", PYTHON, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    return proc, [int(proc.stdout.readline().split()[1]) for _ in range(2)]
 
 
 def cold_env(**extra: str) -> dict[str, str]:
@@ -110,12 +110,7 @@ def test_a_warm_rank_runs_a_module_too() -> None:
 @pytest.mark.parametrize("env", [mpi_env, cold_env], ids=["warm", "cold"])
 def test_a_signal_to_mpirun_reaches_the_program_and_its_exit_comes_back(tmp_path: Path,
                                                                         env: Callable[..., dict[str, str]]) -> None:
-    script = tmp_path / "forever.py"
-    script.write_text(FOREVER)
-    proc = subprocess.Popen(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", PYTHON, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-    assert proc.stdout is not None
-    pids = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+    proc, pids = start_forever(tmp_path, env())
     out, err = ended_after(proc, lambda: os.kill(proc.pid, signal.SIGTERM))
     assert out.count("stopped by SIGTERM") == 2, (out, err)
     assert proc.returncode != 0
@@ -124,13 +119,8 @@ def test_a_signal_to_mpirun_reaches_the_program_and_its_exit_comes_back(tmp_path
 
 
 def test_a_warm_copy_dies_with_the_process_mpirun_started(tmp_path: Path) -> None:
-    script = tmp_path / "forever.py"
-    script.write_text(FOREVER)
-    proc = subprocess.Popen(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", PYTHON, str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env())
-    assert proc.stdout is not None
-    copies = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
-    stand_ins = children(proc.pid)
+    proc, copies = start_forever(tmp_path, mpi_env())
+    stand_ins = list(children_states(proc.pid))
     assert len(stand_ins) == 2 and not set(stand_ins) & set(copies), (stand_ins, copies)
     ended_after(proc, lambda: os.kill(stand_ins[1], signal.SIGKILL))
     assert proc.returncode != 0
