@@ -200,15 +200,14 @@ def measure_peak_flops(device: str | torch.device = "cpu", *, dtype: torch.dtype
                        seconds: float = 0.5) -> float:
     """The matmul FLOP/s this device reaches, measured: the MFU denominator.
 
-    Square matmuls of `dtype` (n = 1024 on a CPU, 8192 on a GPU: big enough to run at the device's matmul
-    rate, small enough to measure in well under a second), one warm-up, then timed repeats for about
-    `seconds` (at least 3); the median of 2 * n^3 / time. Measure once per run: it takes the device for
+    Square matmuls of `dtype`, their size doubled from n = 128 while one takes under 5 ms, up to n = 1024 on a
+    CPU and 8192 on a GPU (big enough to run at the device's matmul rate; a dtype the device computes slowly,
+    fp16 on most CPUs, stops small instead of taking seconds per matmul); one warm-up, then timed repeats for
+    about `seconds` (at least 3); the median of 2 * n^3 / time. Measure once per run: it takes the device for
     that long."""
     device = torch.device(device)
-    n = 1024 if device.type == "cpu" else 8192
+    largest = 1024 if device.type == "cpu" else 8192
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -221,7 +220,14 @@ def measure_peak_flops(device: str | torch.device = "cpu", *, dtype: torch.dtype
         sync()
         return time.perf_counter() - start
 
-    timed()  # warm-up: kernel selection, thread pool start, caches
+    n = 128
+    while True:
+        a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+        timed()  # warm-up: kernel selection, thread pool start, caches
+        if n >= largest or timed() >= 0.005:
+            break
+        n *= 2
     times: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,14 @@ def test_flops_per_token_formula() -> None:
 def test_measure_peak_flops_is_quick_and_plausible() -> None:
     peak = measure_peak_flops("cpu", seconds=0.2)
     assert 1e8 < peak < 1e14
+
+
+def test_measuring_a_slow_dtype_takes_no_longer_than_a_fast_one() -> None:
+    """fp16 matmuls on a CPU run at a few GFLOP/s: at the fast dtypes' size (n = 1024) one takes seconds, and a
+    language model's start-up spent over 8 s measuring. The size grows only while a matmul is quick."""
+    start = time.process_time()
+    peak = measure_peak_flops("cpu", dtype=torch.float16, seconds=0.2)
+    assert time.process_time() - start < 1.5 and 1e7 < peak < 1e14
 
 
 # ---------------------------------------------------------------------------------------------------
