@@ -2,7 +2,8 @@
 
 Processes are found through /proc only (psutil is not installed): each run carries a unique
 `HPCTRAIN_CHAOS_TOKEN` in its environment, which `mpirun` passes on to the ranks, so the launcher, mpirun
-and every rank of a run are found even after one of them died and its children were re-parented. The
+and every rank of a run are found even after one of them died and its children were re-parented (a warm rank
+of the suite is found as its stand-in, which passes signals on to the copy and dies with it). The
 process that runs cases becomes a child subreaper (`PR_SET_CHILD_SUBREAPER`) while it does, so those
 orphans become its children and are reaped here (PID 1 of this machine does not reap orphans).
 
@@ -27,6 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+STARTUP = Path(__file__).resolve().parents[1] / "startup"
+sys.path.insert(0, str(STARTUP))
+from warmranks import SOCKET_VAR, copy_of  # noqa: E402
+
 PYTHON = sys.executable
 TOKEN_VAR = "HPCTRAIN_CHAOS_TOKEN"
 SIGNALS = {"term": signal.SIGTERM, "usr2": signal.SIGUSR2, "kill9": signal.SIGKILL, "stop": signal.SIGSTOP}
@@ -45,6 +50,8 @@ def base_env(token: str | None = None, extra: dict[str, str] | None = None) -> d
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", TOKEN_VAR))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     env.update(extra or {})
+    if env.get(SOCKET_VAR):  # the suite's warm ranks: their hand-over runs from tests/startup's sitecustomize
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STARTUP), env.get("PYTHONPATH")]))
     if token:
         env[TOKEN_VAR] = token
     return env
@@ -97,7 +104,14 @@ def rank_processes(procs: dict[int, Proc]) -> dict[int, Proc]:
 
 
 def holds(pid: int, sig: int) -> bool:
-    """Whether `pid` blocks or catches `sig` now (SigBlk | SigCgt in /proc/PID/status)."""
+    """Whether `pid` blocks or catches `sig` now (SigBlk | SigCgt in /proc/PID/status). A warm rank of the suite
+    holds it when both its stand-in (which catches every signal to pass it on, once its copy exists) and the
+    copy do: either dies of a signal it does not hold, and the other with it."""
+    copy = copy_of(pid)
+    return _holds(pid, sig) and (copy is None or _holds(copy, sig))
+
+
+def _holds(pid: int, sig: int) -> bool:
     masks = 0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

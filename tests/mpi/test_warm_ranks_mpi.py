@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import warmranks
 
 from conftest import PYTHON, mpi_env, mpirun
+from hpctrain.base.stop import block_prefix
 from hpctrain.tools.launch import children_states
 
 pytestmark = pytest.mark.mpi
@@ -119,9 +121,11 @@ def test_a_signal_to_mpirun_reaches_the_program_and_its_exit_comes_back(tmp_path
 
 
 def test_a_warm_copy_dies_with_the_process_mpirun_started(tmp_path: Path) -> None:
+    """... and `copy_of` names it behind its stand-in (the chaos judge reads the copy's signal state there)."""
     proc, copies = start_forever(tmp_path, mpi_env())
     stand_ins = list(children_states(proc.pid))
     assert len(stand_ins) == 2 and not set(stand_ins) & set(copies), (stand_ins, copies)
+    assert sorted(map(warmranks.copy_of, stand_ins)) == sorted(copies), (stand_ins, copies)
     ended_after(proc, lambda: os.kill(stand_ins[1], signal.SIGKILL))
     assert proc.returncode != 0
     deadline = time.monotonic() + 10
@@ -179,3 +183,41 @@ def test_a_warm_rank_ends_with_what_a_fresh_one_prints_and_returns(tmp_path: Pat
         said = proc.stderr.split("-" * 74)[0]  # the rank's own lines, before mpirun's report
         ends.append((proc.returncode, said))
     assert ends[0] == ends[1] and ends[0][0] != 0 and ends[0][1].strip(), ends
+
+
+
+HELD = """
+import signal, sys, time
+def ended(signum, frame):
+    print("stopped by", signal.Signals(signum).name, flush=True)
+    sys.exit(0)  # the other ranks go on: mpirun would end them at a non-zero exit
+signal.signal(signal.SIGTERM, ended)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+time.sleep(60)
+"""
+
+
+def test_a_signal_held_at_the_rank_s_start_waits_in_its_copy(tmp_path: Path) -> None:
+    """Ranks started with their stop signals blocked (behind `hpctrain launch`'s prefix) keep a SIGTERM sent the
+    moment their copy exists until the program takes it, as fresh ones do: the copy is forked with them blocked.
+    Before, one that the stand-in passed on before the copy took the rank's mask ended it by the server's default
+    action (a chaos case: SIGTERM to a rank 0.4 s into its start-up, exit 143 instead of 3)."""
+    script = tmp_path / "held.py"
+    script.write_text(HELD)
+    for _ in range(3):
+        proc = subprocess.Popen(["mpirun", "-n", "4", "--oversubscribe", "--bind-to", "none", *block_prefix(), PYTHON,
+                                 str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env())
+
+        def stop_each_as_its_copy_appears() -> None:
+            sent: set[int] = set()
+            deadline = time.monotonic() + 60
+            while len(sent) < 4 and time.monotonic() < deadline:
+                for pid in children_states(proc.pid):
+                    if pid not in sent and warmranks.copy_of(pid):
+                        os.kill(pid, signal.SIGTERM)
+                        sent.add(pid)
+                time.sleep(0.0005)
+            assert len(sent) == 4, sent
+
+        out, err = ended_after(proc, stop_each_as_its_copy_appears)
+        assert proc.returncode == 0 and out.count("stopped by SIGTERM") == 4, (proc.returncode, out, err)

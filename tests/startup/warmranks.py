@@ -13,8 +13,9 @@ it passes on every signal it can catch to the copy, and ends as the copy ended (
 signal). The server kills a copy whose stand-in has died (kill -9 included).
 
 What a warm rank cannot be: a process in `mpirun`'s tree. A test that finds ranks by walking the process tree
-and stops one with SIGSTOP (which a stand-in cannot pass on), or that measures start-up, runs with cold ranks:
-`@pytest.mark.cold` (tests/conftest.py). MPI itself is never initialised in the server (importing
+finds their stand-ins, and `copy_of` names the copy behind one. A test that stops a rank with SIGSTOP (which a
+stand-in cannot pass on), or that measures start-up, runs with cold ranks: `@pytest.mark.cold`
+(tests/conftest.py). MPI itself is never initialised in the server (importing
 `mpi4py.MPI` does that), so each copy joins its job as a fresh process would; torch allocates nothing there
 either, so a copy still takes `THP_MEM_ALLOC_ENABLE` from its own environment.
 
@@ -217,7 +218,7 @@ def serve(path: str) -> tuple[dict, list[int]]:
         ready, _, _ = select.select([listener, wake_r, *filter(None, children.values())], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
-            _reap(children)
+            _reap(children, path)
         for pid, conn in list(children.items()):
             if conn is not None and conn in ready and not _recv_or_eof(conn):  # the stand-in is gone (kill -9)
                 _kill(pid)
@@ -238,6 +239,11 @@ def serve(path: str) -> tuple[dict, list[int]]:
             continue
         sys.stdout.flush()
         sys.stderr.flush()
+        # The stand-in passes signals on from the moment it learns the copy's pid: until the copy has taken the
+        # rank's handlers and mask (`become`) they wait in it, as they would in the rank (one that `hpctrain
+        # launch` starts with its stop signals blocked keeps them pending), instead of ending it by the default
+        # action the copy has from the server.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
@@ -247,11 +253,18 @@ def serve(path: str) -> tuple[dict, list[int]]:
             for other in (conn, *filter(None, children.values())):
                 other.close()
             return request, fds
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for fd in fds:
             os.close(fd)
         children[pid] = conn
-        conn.sendall(f"{pid}\n".encode())
-        _reap(children)
+        _register(path, pid, conn)
+        try:
+            conn.sendall(f"{pid}\n".encode())
+        except OSError:  # the stand-in died while it handed over (a stop signal early in its start-up)
+            _kill(pid)
+            conn.close()
+            children[pid] = None
+        _reap(children, path)
 
 
 def _recv_or_eof(conn: socket.socket) -> bool:
@@ -289,7 +302,43 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
         return None
 
 
-def _reap(children: dict[int, socket.socket | None]) -> None:
+def _register(path: str, pid: int, conn: socket.socket) -> None:
+    """Note which copy stands behind the connected stand-in, for `copy_of`."""
+    standin = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    folder = path + ".copies"
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, str(pid)), "w") as fh:
+        fh.write(str(standin))
+    link = os.path.join(folder, f"of-{standin}")
+    if os.path.lexists(link):  # a stand-in of the same pid before
+        os.unlink(link)
+    os.symlink(str(pid), link)
+
+
+def _unregister(path: str, pid: int) -> None:
+    folder = path + ".copies"
+    try:
+        with open(os.path.join(folder, str(pid))) as fh:
+            standin = fh.read()
+        os.unlink(os.path.join(folder, f"of-{standin}"))
+        os.unlink(os.path.join(folder, str(pid)))
+    except OSError:
+        pass
+
+
+def copy_of(pid: int) -> int | None:
+    """The warm copy that the stand-in `pid` of this process's server passes its signals to, if it is one: a
+    test that looks at a rank's own state (which signals it holds) looks there."""
+    path = os.environ.get(SOCKET_VAR)
+    if not path or path == "0":
+        return None
+    try:
+        return int(os.readlink(os.path.join(path + ".copies", f"of-{pid}")))
+    except (OSError, ValueError):
+        return None
+
+
+def _reap(children: dict[int, socket.socket | None], path: str) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -297,6 +346,7 @@ def _reap(children: dict[int, socket.socket | None]) -> None:
             return
         if pid == 0:
             return
+        _unregister(path, pid)
         conn = children.pop(pid, None)
         if conn is not None:
             try:
