@@ -3,7 +3,8 @@
 Processes are found through /proc only (psutil is not installed): each run carries a unique
 `HPCTRAIN_CHAOS_TOKEN` in its environment, which `mpirun` passes on to the ranks, so the launcher, mpirun
 and every rank of a run are found even after one of them died and its children were re-parented (a warm rank
-of the suite is found as its stand-in, which passes signals on to the copy and dies with it). The
+of the suite is found as its stand-in, which passes signals on to the copy and dies with it; SIGSTOP, which it
+cannot pass on, is sent to both). The
 process that runs cases becomes a child subreaper (`PR_SET_CHILD_SUBREAPER`) while it does, so those
 orphans become its children and are reaped here (PID 1 of this machine does not reap orphans).
 
@@ -295,7 +296,7 @@ def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadlin
     seen: set[int] = set()
     cutoff = start + deadline_s
     fresh = not (run_dir / "metrics.jsonl").exists()  # a resumed run appends to the old one
-    stopped_pid: int | None = None
+    stopped: list[int] = []
     try:
         next_scan = 0.0
         while proc.poll() is None:
@@ -314,11 +315,14 @@ def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadlin
                 pid = proc.pid if plan.target_rank is None else getattr(rank_processes(procs).get(plan.target_rank), "pid", None)
                 if pid is not None:  # a rank not started yet is waited for
                     result.moment = moment(run_dir, now - start, result.train_start_s, expected_steps)
-                    result.event_unheld = not holds(pid, SIGNALS[plan.event.split("-")[0]])
-                    result.event_delivered = send(pid, SIGNALS[plan.event.split("-")[0]])
+                    sig = SIGNALS[plan.event.split("-")[0]]
+                    result.event_unheld = not holds(pid, sig)
+                    if sig == signal.SIGSTOP:  # a warm rank's stand-in cannot pass it on: its copy is stopped too
+                        stopped = [p for p in (copy_of(pid), pid) if p is not None]
+                        for p in stopped[:-1]:
+                            send(p, sig)
+                    result.event_delivered = send(pid, sig)
                     result.event_at_s, result.event_pid = now - start, pid
-                    if plan.event == "stop-rank":
-                        stopped_pid = pid
                     if result.event_delivered:
                         cutoff = min(cutoff, now + plan.window_s)
             if ABORT.is_set():
@@ -342,8 +346,8 @@ def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadlin
             result.hang_reason = result.hang_reason or f"{name}: interrupted by the harness"
             result.killed = kill_all(token, proc)
         else:
-            if stopped_pid is not None:
-                send(stopped_pid, signal.SIGCONT)  # a stopped rank the job left behind must be able to die
+            for pid in stopped:
+                send(pid, signal.SIGCONT)  # a stopped rank the job left behind must be able to die
             result.leftovers = leftovers(token)
             if result.leftovers:
                 kill_all(token, proc)

@@ -55,9 +55,7 @@ def test_the_sample_covers_the_newer_options(harness: Harness) -> None:
     assert any(o["zero"] == 3 and c.world > 1 and not c.refusal for c, o in zip(cases, options))
 
 
-# A SIGSTOP stops a warm rank's stand-in, not the rank: that case starts its ranks cold (tests/startup/warmranks.py)
-@pytest.mark.parametrize("index", [pytest.param(i, marks=[pytest.mark.cold] if event_of(SEED, i).startswith("stop") else [])
-                                   for i in CASES], ids=[f"{i}-{event_of(SEED, i)}" for i in CASES])
+@pytest.mark.parametrize("index", CASES, ids=[f"{i}-{event_of(SEED, i)}" for i in CASES])
 def test_case(harness: Harness, index: int) -> None:
     outcome = harness.run_case(draw_case(SEED, index, harness.data))
     if not outcome.passed:

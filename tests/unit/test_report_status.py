@@ -23,11 +23,11 @@ app.command()(report_cmd)
 runner = CliRunner()
 
 
-def _started(data: Path, run: Path) -> subprocess.Popen:
+def _started(data: Path, run: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A one-process run of many epochs, once it has logged the end of its first epoch."""
     proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "train", "--data", str(data), "--run-dir", str(run), "--epochs",
                              "300", "--batch-size", "64", "--log-every", "5", "--checkpoint-every", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         metrics = run / "metrics.jsonl"
@@ -47,7 +47,7 @@ def _report(run: Path) -> str:
 
 def test_a_stopped_run_is_stopped_and_its_epochs_count_as_the_console_does(digits2: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = _started(digits2, run)
+    proc = _started(digits2, run, mpi_env())  # a warm rank (tests/startup/warmranks.py): its stand-in passes it on
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
@@ -69,7 +69,7 @@ def test_a_stopped_run_is_stopped_and_its_epochs_count_as_the_console_does(digit
 
 def test_a_killed_run_has_failed(digits2: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = _started(digits2, run)
+    proc = _started(digits2, run)  # cold: the report names the pid the run recorded, which is this process's
     proc.kill()  # no stop record, no error, no summary: only its process is gone
     proc.communicate(timeout=60)
     md = _report(run)
