@@ -13,9 +13,9 @@ it passes on every signal it can catch to the copy, and ends as the copy ended (
 signal). The server kills a copy whose stand-in has died (kill -9 included).
 
 What a warm rank cannot be: a process in `mpirun`'s tree. A test that finds ranks by walking the process tree
-finds their stand-ins, and `copy_of` names the copy behind one. A test that stops a rank with SIGSTOP (which a
-stand-in cannot pass on), or that measures start-up, runs with cold ranks: `@pytest.mark.cold`
-(tests/conftest.py). MPI itself is never initialised in the server (importing
+finds their stand-ins, and `copy_of` names the copy behind one (SIGSTOP, which a stand-in cannot pass on, goes
+to both). A test that cannot look through a stand-in, or that measures start-up, runs with cold ranks:
+`@pytest.mark.cold` (tests/conftest.py). MPI itself is never initialised in the server (importing
 `mpi4py.MPI` does that), so each copy joins its job as a fresh process would; torch allocates nothing there
 either, so a copy still takes `THP_MEM_ALLOC_ENABLE` from its own environment.
 
@@ -218,7 +218,7 @@ def serve(path: str) -> tuple[dict, list[int]]:
         ready, _, _ = select.select([listener, wake_r, *filter(None, children.values())], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
-            _reap(children, path)
+            _reap(children)
         for pid, conn in list(children.items()):
             if conn is not None and conn in ready and not _recv_or_eof(conn):  # the stand-in is gone (kill -9)
                 _kill(pid)
@@ -264,7 +264,7 @@ def serve(path: str) -> tuple[dict, list[int]]:
             _kill(pid)
             conn.close()
             children[pid] = None
-        _reap(children, path)
+        _reap(children)
 
 
 def _recv_or_eof(conn: socket.socket) -> bool:
@@ -302,28 +302,24 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
         return None
 
 
+_LINKS: dict[int, str] = {}  # copy -> the link that names it after its stand-in, for `copy_of`
+
+
 def _register(path: str, pid: int, conn: socket.socket) -> None:
-    """Note which copy stands behind the connected stand-in, for `copy_of`."""
+    """Note which copy stands behind the connected stand-in: a link `PATH.copies/of-STANDIN` -> copy's pid."""
     standin = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-    folder = path + ".copies"
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, str(pid)), "w") as fh:
-        fh.write(str(standin))
-    link = os.path.join(folder, f"of-{standin}")
+    os.makedirs(path + ".copies", exist_ok=True)
+    link = os.path.join(path + ".copies", f"of-{standin}")
     if os.path.lexists(link):  # a stand-in of the same pid before
         os.unlink(link)
     os.symlink(str(pid), link)
+    _LINKS[pid] = link
 
 
-def _unregister(path: str, pid: int) -> None:
-    folder = path + ".copies"
-    try:
-        with open(os.path.join(folder, str(pid))) as fh:
-            standin = fh.read()
-        os.unlink(os.path.join(folder, f"of-{standin}"))
-        os.unlink(os.path.join(folder, str(pid)))
-    except OSError:
-        pass
+def _unregister(pid: int) -> None:
+    link = _LINKS.pop(pid, None)
+    if link is not None and os.path.lexists(link) and os.readlink(link) == str(pid):
+        os.unlink(link)
 
 
 def copy_of(pid: int) -> int | None:
@@ -338,7 +334,7 @@ def copy_of(pid: int) -> int | None:
         return None
 
 
-def _reap(children: dict[int, socket.socket | None], path: str) -> None:
+def _reap(children: dict[int, socket.socket | None]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -346,7 +342,7 @@ def _reap(children: dict[int, socket.socket | None], path: str) -> None:
             return
         if pid == 0:
             return
-        _unregister(path, pid)
+        _unregister(pid)
         conn = children.pop(pid, None)
         if conn is not None:
             try:
