@@ -43,18 +43,27 @@ alive() {  # alive PIDFILE NAME: the pid in PIDFILE runs a process called NAME
   [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$2" ]
 }
 
-stop_pidfile() {  # stop_pidfile PIDFILE NAME: TERM, then KILL after 10 s, the one process named there
-  local pid i
-  alive "$1" "$2" || { rm -f "$1"; return 0; }
-  pid="$(cat "$1")"
-  kill -TERM "$pid" 2>/dev/null || true
-  for i in $(seq 1 50); do
-    [ -d "/proc/$pid" ] || break
+stop_pidfiles() {  # stop_pidfiles PIDFILE:NAME...: TERM each, then KILL what still runs after 10 s
+  local item file name pid pids=() i running
+  for item in "$@"; do
+    file="${item%%:*}"; name="${item#*:}"
+    alive "$file" "$name" || { rm -f "$file"; continue; }
+    pid="$(cat "$file")"
+    kill -TERM "$pid" 2>/dev/null || true
+    pids+=("$pid:$file:$name")
+  done
+  for i in $(seq 1 50); do  # each daemon takes about 2 s to end: waited for together, not one by one
+    running=0
+    for item in "${pids[@]}"; do [ -d "/proc/${item%%:*}" ] && running=1; done
+    [ "$running" = 0 ] && break
     sleep 0.2
   done
-  if [ -d "/proc/$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; fi
-  rm -f "$1"
-  say "stopped $2 (pid $pid)"
+  for item in "${pids[@]}"; do
+    pid="${item%%:*}"; item="${item#*:}"
+    if [ -d "/proc/$pid" ]; then kill -KILL "$pid" 2>/dev/null || true; fi
+    rm -f "${item%%:*}"
+    say "stopped ${item#*:} (pid $pid)"
+  done
 }
 
 install_packages() {
@@ -168,15 +177,12 @@ wait_up() {
 }
 
 stop_all() {
-  local n
-  for n in "${NODES[@]}"; do
-    stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd
-  done
-  stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
-  if [ -f "$STATE/run/munged.ours" ]; then
-    stop_pidfile /run/munge/munged.pid munged
-    rm -f "$STATE/run/munged.ours"
-  fi
+  local n daemons=()
+  for n in "${NODES[@]}"; do daemons+=("$STATE/run/slurmd-$n.pid:slurmd"); done
+  daemons+=("$STATE/run/slurmctld.pid:slurmctld")
+  [ -f "$STATE/run/munged.ours" ] && daemons+=("/run/munge/munged.pid:munged")
+  stop_pidfiles "${daemons[@]}"
+  rm -f "$STATE/run/munged.ours"
 }
 
 case "${1:-}" in
@@ -188,8 +194,9 @@ case "${1:-}" in
     if [ "$CONFIG_CHANGED" = 1 ] && { alive "$STATE/run/slurmctld.pid" slurmctld ||
         alive "$STATE/run/slurmd-n1.pid" slurmd || alive "$STATE/run/slurmd-n2.pid" slurmd; }; then
       say "config changed: restarting the daemons"
-      for n in "${NODES[@]}"; do stop_pidfile "$STATE/run/slurmd-$n.pid" slurmd; done
-      stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
+      daemons=("$STATE/run/slurmctld.pid:slurmctld")
+      for n in "${NODES[@]}"; do daemons+=("$STATE/run/slurmd-$n.pid:slurmd"); done
+      stop_pidfiles "${daemons[@]}"
     fi
     start_munge
     start_ctld
@@ -206,6 +213,8 @@ case "${1:-}" in
       if alive "$STATE/run/$n.pid" "${n%%-*}"; then echo "$n: running (pid $(cat "$STATE/run/$n.pid"))"
       else echo "$n: stopped"; fi
     done
+    # sinfo retries a stopped slurmctld for about 20 s: ask it only when the daemon runs
+    alive "$STATE/run/slurmctld.pid" slurmctld || exit 1
     if nodes_up; then sinfo -N -o '%N %t %c %G'; exit 0; fi
     exit 1
     ;;
