@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -100,17 +101,20 @@ def test_usr2_requeues_and_resumes_bit_identical(slurm_cluster, digits2: Path, t
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 60, 90, "60 logged steps")
     assert not (run / "summary.json").exists(), "the run ended before the signal: make it longer"
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    status = wait_for(lambda: (s := job_status(folder, job))["state"] == "requeued" and s, 60, "the requeue")
-    assert status["reason"] == "preempted"
-    # Slurm holds a requeued job for cred_expire + 1 s (the local cluster sets 10 s; Slurm's default is 120 s).
-    final = wait_for(lambda: (s := job_status(folder, job))["state"] in ("completed", "failed") and s, 120,
-                     "the resumed job to finish")
+    # Slurm holds a requeued job for cred_expire + 1 s (the local cluster sets 10 s; Slurm's default is 120 s):
+    # the reference trains meanwhile
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(launch_reference, digits2, tmp_path / "ref", args)
+        status = wait_for(lambda: (s := job_status(folder, job))["state"] == "requeued" and s, 60, "the requeue")
+        assert status["reason"] == "preempted"
+        final = wait_for(lambda: (s := job_status(folder, job))["state"] in ("completed", "failed") and s, 120,
+                         "the resumed job to finish")
+        want = reference.result(timeout=300)
     assert final["state"] == "completed" and final["restarts"] == 1, final
     events = [e["event"] for e in final["events"]]
     assert events == ["start", "ranks_stopped", "requeued", "start", "completed"], events
     got = summary(run)
     assert got["resumed_from"] is not None and 0 < got["resumed_from"] < got["steps"]
-    want = launch_reference(digits2, tmp_path / "ref", args)
     assert got["param_sha256"] == want["param_sha256"]
     text = cli(["status", job, "--folder", str(folder)], cwd=tmp_path).stdout
     assert "completed (restarts: 1)" in text and "requeued" in text and "reason=preempted" in text

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from conftest import hpctrain, mpi_env, summary
 from hpctrain.base.config import read_train_toml
+from hpctrain.checkpoint import manager as ckpt
 from hpctrain.tools.slurm.core import read_record
 from hpctrain.tools.slurm.status import job_status
 
@@ -82,8 +84,18 @@ def test_a_signalled_element_requeues_alone_and_resumes_bit_identical(slurm_clus
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 60, 120, "60 logged steps")
     assert not (run / "seed=1" / "summary.json").exists(), "the run ended before the signal: make it longer"
     subprocess.run(["scancel", "--signal=USR2", f"{job}_0"], check=True)
-    final = wait_for(lambda: (s := job_status(folder, job))["state"] in ("completed", "failed") and s, 240,
-                     "both elements to finish")
+    wait_for(lambda: job_status(folder, f"{job}_0")["state"] == "requeued", 60, "the element's requeue")
+    # the reference on the threads the element had (the local cluster's nodes declare 4 CPUs: --cpus-per-task
+    # auto gives 4; this machine has 2): bit-exactness holds for the same threads per rank (README "Bit-exact").
+    # It trains while Slurm holds the requeued element (cred_expire + 1 s).
+    threads = ckpt.verify(ckpt.latest(run / "seed=1"))["torch_threads"]
+    ref = tmp_path / "ref"
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(hpctrain, ["train", "--data", str(digits2), "--run-dir", str(ref), "--seed", "1",
+                                           *args], timeout=300, env=mpi_env(SLURM_CPUS_PER_TASK=str(threads)))
+        final = wait_for(lambda: (s := job_status(folder, job))["state"] in ("completed", "failed") and s, 240,
+                         "both elements to finish")
+        reference.result(timeout=300)
     assert final["state"] == "completed", final
     first, second = final["elements"]
     assert (first["restarts"], second["restarts"]) == (1, 0), final
@@ -91,12 +103,7 @@ def test_a_signalled_element_requeues_alone_and_resumes_bit_identical(slurm_clus
     assert events == ["start", "ranks_stopped", "requeued", "start", "completed"], events
     got = summary(run / "seed=1")
     assert got["resumed_from"] is not None and 0 < got["resumed_from"] < got["steps"]
-    # the reference on the threads the element had (the local cluster's nodes declare 4 CPUs: --cpus-per-task
-    # auto gives 4; this machine has 2): bit-exactness holds for the same threads per rank (README "Bit-exact")
-    ref = tmp_path / "ref"
-    hpctrain(["train", "--data", str(digits2), "--run-dir", str(ref), "--seed", "1", *args], timeout=300,
-             env=mpi_env(SLURM_CPUS_PER_TASK=str(got["torch_threads"])))
-    assert summary(ref)["torch_threads"] == got["torch_threads"]
+    assert summary(ref)["torch_threads"] == got["torch_threads"] == threads
     assert got["param_sha256"] == summary(ref)["param_sha256"]
     assert summary(run / "seed=2")["resumed_from"] is None
 
