@@ -39,8 +39,11 @@ from typing import NoReturn
 
 SOCKET_VAR = "HPCTRAIN_WARM_RANKS"
 _threads_alone = 0  # torch's threads in a fresh process with no MPI around (warm_up)
-# what a rank of the suite imports that is slow to import; nothing that initialises MPI
-WARM_IMPORTS = ("torch", "torch._dynamo", "torch.optim", "numpy", "h5py", "hpctrain.cli.main")
+# what a rank of the suite imports: torch and what `hpctrain train`, bench and the library API import when
+# they run (typer's parameter adapters bring pydantic); nothing that initialises MPI (mpi4py.MPI is kept out)
+WARM_IMPORTS = ("torch", "torch._dynamo", "torch.optim", "numpy", "h5py", "hpctrain.cli.main", "typer._adapters",
+                "hpctrain.control.trainer", "hpctrain.compute.gpt", "hpctrain.horovod", "hpctrain.bench.train",
+                "hpctrain.api")
 FORWARDED = tuple(getattr(signal, name) for name in (
     "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCONT", "SIGTSTP", "SIGWINCH"))
 HEADER = struct.Struct("!Q")
