@@ -15,6 +15,10 @@ import pytest
 import launchcount
 
 ROOT = Path(__file__).resolve().parents[1]
+# The two pytest workers' jobs share the cores: more ranks than cores, which no mpirun of theirs can see. A rank
+# waiting in MPI (a blocking collective spins) yields its core to whatever else can run, as Open MPI does by
+# itself on a node it knows is oversubscribed; every process the tests start inherits this.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 PYTHON = sys.executable
 CHECKS = ROOT / "tests" / "mpi" / "scripts" / "checks.py"
 SITE = ROOT / "tests" / "startup"  # its sitecustomize: whole lines, and warm ranks (warmranks.py)
