@@ -84,7 +84,8 @@ def test_a_signalled_element_requeues_alone_and_resumes_bit_identical(slurm_clus
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 60, 120, "60 logged steps")
     assert not (run / "seed=1" / "summary.json").exists(), "the run ended before the signal: make it longer"
     subprocess.run(["scancel", "--signal=USR2", f"{job}_0"], check=True)
-    wait_for(lambda: job_status(folder, f"{job}_0")["state"] == "requeued", 60, "the element's requeue")
+    wait_for(lambda: "requeued" in [e["event"] for e in job_status(folder, f"{job}_0")["events"]], 60,
+             "the element's requeue")
     # the reference on the threads the element had (the local cluster's nodes declare 4 CPUs: --cpus-per-task
     # auto gives 4; this machine has 2): bit-exactness holds for the same threads per rank (README "Bit-exact").
     # It trains while Slurm holds the requeued element (cred_expire + 1 s).
