@@ -31,7 +31,7 @@ from typing import Iterator
 
 STARTUP = Path(__file__).resolve().parents[1] / "startup"
 sys.path.insert(0, str(STARTUP))
-from warmranks import SOCKET_VAR, copy_of  # noqa: E402
+from warmranks import SOCKET_VAR, copy_of, with_copy  # noqa: E402
 
 PYTHON = sys.executable
 TOKEN_VAR = "HPCTRAIN_CHAOS_TOKEN"
@@ -318,7 +318,7 @@ def run_job(name: str, argv: list[str], run_dir: Path, log_dir: Path, *, deadlin
                     sig = SIGNALS[plan.event.split("-")[0]]
                     result.event_unheld = not holds(pid, sig)
                     if sig == signal.SIGSTOP:  # a warm rank's stand-in cannot pass it on: its copy is stopped too
-                        stopped = [p for p in (copy_of(pid), pid) if p is not None]
+                        stopped = with_copy(pid)
                         for p in stopped[:-1]:
                             send(p, sig)
                     result.event_delivered = send(pid, sig)

@@ -125,11 +125,9 @@ def test_stop_signal_ends_a_job_whose_rank_is_stuck(digits2: Path, tmp_path: Pat
             time.sleep(0.2)
         ranks = _rank_pids(proc.pid)
         assert len(ranks) == 2, ranks
-        copy = warmranks.copy_of(ranks[1])  # a warm rank computes in its copy: stuck means both stopped
-        ranks += [c for c in map(warmranks.copy_of, ranks) if c is not None]
-        for pid in (copy, ranks[1]):
-            if pid is not None:
-                os.kill(pid, signal.SIGSTOP)
+        for pid in warmranks.with_copy(ranks[1]):  # a warm rank computes in its copy: stuck means both stopped
+            os.kill(pid, signal.SIGSTOP)
+        ranks = [p for rank in ranks for p in warmranks.with_copy(rank)]  # none of them may be left running
         os.kill(proc.pid, signal.SIGTERM)
         signalled = time.monotonic()
         _, err = proc.communicate(timeout=30)

@@ -337,6 +337,13 @@ def copy_of(pid: int) -> int | None:
         return None
 
 
+def with_copy(pid: int) -> list[int]:
+    """Where a SIGSTOP to the rank `pid` must go, copy first: its warm copy (if it is a stand-in), then `pid`.
+    A stand-in cannot pass SIGSTOP on, and a stopped stand-in alone leaves the rank computing."""
+    copy = copy_of(pid)
+    return [pid] if copy is None else [copy, pid]
+
+
 def _reap(children: dict[int, socket.socket | None]) -> None:
     while children:
         try:
